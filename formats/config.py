@@ -1,0 +1,133 @@
+"""ModelConfig: everything the runtime and planner need to know about a model, read from GGUF metadata alone."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from . import constants as C
+from .errors import PinferError
+from .reader import GGUFFile
+
+SUPPORTED_ARCHS = ("llama", "bamboo")
+FFN_ACTIVATIONS = ("silu", "relu", "drelu")  # SwiGLU, ReGLU (relu gate * up), dReLU (relu gate * relu up)
+
+
+@dataclass
+class ModelConfig:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    vocab_size: int
+    n_ctx_train: int = 4096
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scale: float = 1.0  # linear scaling: positions are divided by this
+    ffn_act: str = "silu"
+    tied_embeddings: bool = False
+    down_transposed: bool = False  # the file stores ffn_down_t (PowerInfer) instead of ffn_down
+    has_predictors: bool = False
+    name: str = ""
+    head_dim: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.n_embd // self.n_head
+        if self.n_head % self.n_head_kv:
+            raise PinferError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if self.ffn_act not in FFN_ACTIVATIONS:
+            raise PinferError(f"unknown FFN activation '{self.ffn_act}' (expected one of {', '.join(FFN_ACTIVATIONS)})")
+
+    @property
+    def is_relu(self) -> bool:
+        return self.ffn_act in ("relu", "drelu")
+
+    @property
+    def n_params(self) -> int:
+        attn = self.n_embd * self.head_dim * (2 * self.n_head + 2 * self.n_head_kv)
+        ffn = 3 * self.n_embd * self.n_ff
+        emb = self.vocab_size * self.n_embd * (1 if self.tied_embeddings else 2)
+        return self.n_layer * (attn + ffn + 2 * self.n_embd) + emb + self.n_embd
+
+
+def detect_ffn_activation(f: GGUFFile) -> str:
+    """Decide the FFN activation from what the file says.
+
+    PowerInfer's ReLU llama files (ReluLLaMA, ProSparse) keep architecture "llama", so the architecture alone does
+    not tell SwiGLU from ReGLU. In order of evidence: an explicit pinfer.ffn_activation key; the bamboo architecture
+    (dReLU); predictor tensors or the PWRI magic (PowerInfer only serves ReLU models); a model name that says ReLU or
+    ProSparse. Otherwise it is the standard SwiGLU.
+    """
+    explicit = f.get(C.FFN_ACTIVATION)
+    if explicit:
+        return str(explicit)
+    if f.architecture == "bamboo":
+        return "drelu"
+    if f.is_powerinfer or f.has(C.tensor(C.PRED_FC1, 0)):
+        return "relu"
+    if re.search(r"relu|prosparse", str(f.get(C.NAME, "")), re.IGNORECASE):
+        return "relu"
+    return "silu"
+
+
+def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
+    """Build a ModelConfig from metadata and tensor shapes (no tensor data is read)."""
+    arch = f.architecture
+    if not arch:
+        raise PinferError(f"{f.path}: no general.architecture in metadata; not a model file")
+    if arch not in SUPPORTED_ARCHS:
+        raise PinferError(f"{f.path}: architecture '{arch}' is not supported (supported: "
+                          f"{', '.join(SUPPORTED_ARCHS)})")
+
+    def need(template: str):
+        v = f.arch_get(template)
+        if v is None:
+            raise PinferError(f"{f.path}: missing metadata '{template.format(arch=arch)}'; the file is incomplete")
+        return v
+
+    n_embd = int(need(C.EMBEDDING_LENGTH))
+    n_head = int(need(C.HEAD_COUNT))
+    n_head_kv = f.arch_get(C.HEAD_COUNT_KV, n_head)
+    n_head_kv = int(n_head_kv if not hasattr(n_head_kv, "__len__") else n_head_kv[0])
+    n_ff = f.arch_get(C.FEED_FORWARD_LENGTH)
+    if n_ff is None and f.has(C.tensor(C.FFN_UP, 0)):
+        n_ff = f.info(C.tensor(C.FFN_UP, 0)).shape[0]
+    if n_ff is None:
+        raise PinferError(f"{f.path}: missing metadata '{arch}.feed_forward_length'")
+    n_ff = int(n_ff if not hasattr(n_ff, "__len__") else n_ff[0])
+    vocab = f.arch_get(C.VOCAB_SIZE)
+    if vocab is None:
+        tokens = f.get(C.TOKENIZER_TOKENS)
+        vocab = len(tokens) if tokens is not None else f.info(C.TOKEN_EMBD).shape[0]
+    head_dim = int(f.arch_get(C.KEY_LENGTH, n_embd // n_head))
+
+    rope_scale = 1.0
+    scaling = f.arch_get(C.ROPE_SCALING_TYPE)
+    if scaling not in (None, "none", "linear"):
+        raise PinferError(f"{f.path}: rope scaling type '{scaling}' is not supported (only linear)")
+    if scaling == "linear" or scaling is None:
+        rope_scale = float(f.arch_get(C.ROPE_SCALING_FACTOR, f.arch_get(C.ROPE_SCALE_LINEAR, 1.0)) or 1.0)
+
+    act = ffn_act or detect_ffn_activation(f)
+    return ModelConfig(
+        arch=arch,
+        n_layer=int(need(C.BLOCK_COUNT)),
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        vocab_size=int(vocab),
+        n_ctx_train=int(f.arch_get(C.CONTEXT_LENGTH, 4096)),
+        norm_eps=float(f.arch_get(C.RMS_EPS, 1e-5)),
+        rope_base=float(f.arch_get(C.ROPE_FREQ_BASE, 10000.0)),
+        rope_scale=rope_scale,
+        ffn_act=act,
+        tied_embeddings=not f.has(C.OUTPUT),
+        down_transposed=f.has(C.tensor(C.FFN_DOWN_T, 0)) and not f.has(C.tensor(C.FFN_DOWN, 0)),
+        has_predictors=f.has(C.tensor(C.PRED_FC1, 0)),
+        name=str(f.get(C.NAME, "")),
+        head_dim=head_dim,
+    )

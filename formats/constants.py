@@ -1,0 +1,118 @@
+"""Every GGUF key and tensor-name template pinfer reads or writes, in one place.
+
+Standard llama.cpp names come first, then PowerInfer's additions (see shared/REFERENCE.md §1), then pinfer's own.
+Templates take the block index as `bid`: TENSOR.ffn_up.format(bid=3) -> "blk.3.ffn_up.weight".
+"""
+
+# --- file magics -------------------------------------------------------------------------------------------------
+GGUF_MAGIC = b"GGUF"
+PWRI_MAGIC = b"PWRI"  # PowerInfer: a GGUF v3 file whose first four bytes are overwritten
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+# --- general metadata --------------------------------------------------------------------------------------------
+ARCHITECTURE = "general.architecture"
+NAME = "general.name"
+ALIGNMENT = "general.alignment"
+FILE_TYPE = "general.file_type"
+
+# Architecture-scoped keys are written "{arch}.…"; format them with arch=...
+CONTEXT_LENGTH = "{arch}.context_length"
+EMBEDDING_LENGTH = "{arch}.embedding_length"
+BLOCK_COUNT = "{arch}.block_count"
+FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+HEAD_COUNT = "{arch}.attention.head_count"
+HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+KEY_LENGTH = "{arch}.attention.key_length"
+ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
+ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # older files
+VOCAB_SIZE = "{arch}.vocab_size"
+
+# --- tokenizer ----------------------------------------------------------------------------------------------------
+TOKENIZER_MODEL = "tokenizer.ggml.model"  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+TOKENIZER_PRE = "tokenizer.ggml.pre"
+TOKENIZER_TOKENS = "tokenizer.ggml.tokens"
+TOKENIZER_SCORES = "tokenizer.ggml.scores"
+TOKENIZER_TOKEN_TYPE = "tokenizer.ggml.token_type"
+TOKENIZER_MERGES = "tokenizer.ggml.merges"
+TOKENIZER_BOS_ID = "tokenizer.ggml.bos_token_id"
+TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
+TOKENIZER_UNK_ID = "tokenizer.ggml.unknown_token_id"
+TOKENIZER_PAD_ID = "tokenizer.ggml.padding_token_id"
+TOKENIZER_EOT_ID = "tokenizer.ggml.eot_token_id"
+TOKENIZER_ADD_BOS = "tokenizer.ggml.add_bos_token"
+TOKENIZER_ADD_EOS = "tokenizer.ggml.add_eos_token"
+TOKENIZER_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+TOKENIZER_CHAT_TEMPLATE = "tokenizer.chat_template"
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNUSED, TOKEN_TYPE_BYTE = (
+    1, 2, 3, 4, 5, 6)
+
+# --- tensors (llama layout) ---------------------------------------------------------------------------------------
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT_NORM = "output_norm.weight"
+OUTPUT = "output.weight"  # absent -> tied to token_embd
+ATTN_NORM = "blk.{bid}.attn_norm.weight"
+ATTN_Q = "blk.{bid}.attn_q.weight"
+ATTN_K = "blk.{bid}.attn_k.weight"
+ATTN_V = "blk.{bid}.attn_v.weight"
+ATTN_OUT = "blk.{bid}.attn_output.weight"
+FFN_NORM = "blk.{bid}.ffn_norm.weight"
+FFN_GATE = "blk.{bid}.ffn_gate.weight"
+FFN_UP = "blk.{bid}.ffn_up.weight"
+FFN_DOWN = "blk.{bid}.ffn_down.weight"
+
+# --- PowerInfer additions ------------------------------------------------------------------------------------------
+FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"  # W_down transposed: row i = neuron i's output column
+PRED_FC1 = "blk.{bid}.fc1.weight"  # predictor Linear(n_embd -> r), ggml ne [n_embd, r]
+PRED_FC2 = "blk.{bid}.fc2.weight"  # predictor Linear(r -> n_ff), ggml ne [r, n_ff]
+SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # neuron i active iff fc2(relu(fc1 x))[i] >= threshold
+GPU_IDX = "blk.{bid}.gpu_idx"  # I32 [n_ff], 1 where the neuron lives on the GPU
+GPU_BUCKET = "blk.{bid}.gpu_bucket"  # I32 [k], sorted original indices of GPU neurons
+GPU_INDEX_ARCH = "generic.gpu_index"  # general.architecture of a .generated.gpuidx file
+GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"
+SPLIT_VRAM_CAPACITY = "split.vram_capacity"  # u64 bytes the placement was solved for
+GPUIDX_SUFFIX = ".generated.gpuidx"
+ACTIVATION_DIR = "activation"  # PowerInfer profiles: activation/activation_{N}.pt, 1-D counts [n_ff]
+ACTIVATION_FILE = "activation_{bid}.pt"
+PREDICTOR_FILE = "model_{bid}.pt"  # PowerInfer predictor directories: fc1.weight / fc2.weight
+
+# --- pinfer additions ---------------------------------------------------------------------------------------------
+# The FFN activation is decided from the file (see config.py); this key lets a file state it outright.
+FFN_ACTIVATION = "pinfer.ffn_activation"  # "silu" | "relu" | "drelu"
+
+# Activation statistics written by pi-profile (documented in README "Activation statistics").
+ACT_COUNTS = "blk.{bid}.act_counts"  # F32 [n_ff]: tokens on which neuron i was active
+ACT_TOKENS = "pinfer.activation.tokens"  # u64: tokens profiled (frequency = counts / tokens)
+ACT_CORPUS = "pinfer.activation.corpus"  # str: corpus description
+ACT_DATE = "pinfer.activation.date"  # str: ISO-8601 date of the profile
+ACT_RULE = "pinfer.activation.rule"  # str: "relu>0" or "|silu(gate)|>thr"
+# CATS-style thresholds for SwiGLU models (--sparsity): neuron active iff |silu(gate)| > threshold[layer]
+CATS_THRESHOLD = "pinfer.cats.threshold"  # f32 array [n_layer]
+CATS_SPARSITY = "pinfer.cats.sparsity"  # f32 target sparsity used to calibrate them
+
+# Placement plans written by pi-plan (in addition to PowerInfer's gpu_idx/gpu_bucket tensors).
+PLAN_PREFIX = "pinfer.plan."
+PLAN_GPUS = "pinfer.plan.gpus"  # str array
+PLAN_VRAM_BUDGET = "pinfer.plan.vram_budget"  # u64 bytes
+PLAN_CTX = "pinfer.plan.ctx_size"
+PLAN_OBJECTIVE = "pinfer.plan.objective"
+PLAN_TOKENS_PER_S = "pinfer.plan.predicted_tokens_per_s"
+PLAN_STATUS = "pinfer.plan.solver_status"
+PLAN_GAP = "pinfer.plan.gap"
+PLAN_FINGERPRINT = "pinfer.plan.fingerprint"  # hash of tensor names, shapes and types
+PLAN_ATTN_GPU = "pinfer.plan.attn_gpu"  # u8 array [n_layer]: attention block on GPU
+PLAN_PRED_GPU = "pinfer.plan.pred_gpu"  # u8 array [n_layer]: predictor on GPU
+
+
+def tensor(template: str, bid: int) -> str:
+    return template.format(bid=bid)
+
+
+def arch_key(template: str, arch: str) -> str:
+    return template.format(arch=arch)
