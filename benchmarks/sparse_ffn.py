@@ -1,0 +1,236 @@
+"""Sparse vs dense FFN on the CPU, side by side in one process.
+
+    python benchmarks/sparse_ffn.py                      # Llama-7B layer, fp32, 2 threads, 10/20/50% active
+    python benchmarks/sparse_ffn.py --dtype f32,bf16     # also half precision
+    python benchmarks/sparse_ffn.py --layouts            # packed layout vs the file's separate matrices
+    python benchmarks/sparse_ffn.py --prefill            # break-even union density per token count
+    python benchmarks/sparse_ffn.py --json
+
+Method: several copies of the layer are allocated so that together they exceed the L3 cache several times over, and
+each call uses the next copy and a fresh random sorted index set, so that weights come from DRAM as they do in a real
+forward pass. Dense and sparse calls are interleaved in one loop (machine noise hits both alike); the first
+repetitions are warm-up and excluded; medians are reported. GB/s is the weight bytes the call must read (all rows for
+dense, the selected rows for sparse) over the median time; the stream line is torch.sum over a large buffer, a
+practical DRAM read bound for this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from runtime import sparse_ffn as S  # noqa: E402
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+L3_BYTES = 300 << 20
+
+
+def make_layers(d: int, n_ff: int, dtype: torch.dtype, min_bytes: int, act: str = "relu") -> list[S.FFNWeights]:
+    es = torch.empty((), dtype=dtype).element_size()
+    n = max(2, -(-min_bytes // (3 * d * n_ff * es)))
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(n):
+        gate, up, down_t = (torch.randn(n_ff, d, generator=g).mul_(d ** -0.5).to(dtype) for _ in range(3))
+        layers.append(S.pack_ffn(gate, up, down_t, down_transposed=True, act=act))
+        del gate, up, down_t
+    return layers
+
+
+def random_idx(n_ff: int, k: int) -> torch.Tensor:
+    return torch.randperm(n_ff)[:k].sort().values
+
+
+def stream_gbs(reps: int = 7) -> float:
+    buf = torch.ones(256 << 20 >> 2)  # 1 GiB of fp32, far beyond L3
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        buf.sum()
+        ts.append(time.perf_counter() - t)
+    return buf.nbytes / statistics.median(ts[1:]) / 1e9
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_decode(layers, fracs, reps, warmup, T=1) -> list[dict]:
+    w0 = layers[0]
+    n_ff, d, es = w0.n_ff, w0.n_embd, w0.gate_up.element_size()
+    x = torch.randn(T, d).to(w0.dtype)
+    times: dict[str, list[float]] = {"dense": []}
+    for f in fracs:
+        times[f"sparse@{f:g}"] = []
+    i = 0
+    for rep in range(reps + warmup):
+        w = layers[i % len(layers)]
+        i += 1
+        dt = timed(lambda: S.ffn_dense(w, x))
+        if rep >= warmup:
+            times["dense"].append(dt)
+        for f in fracs:
+            w = layers[i % len(layers)]
+            i += 1
+            idx = random_idx(n_ff, int(round(f * n_ff)))
+            dt = timed(lambda: S.ffn_sparse(w, x, idx))
+            if rep >= warmup:
+                times[f"sparse@{f:g}"].append(dt)
+    dense = statistics.median(times["dense"])
+    rows = [dict(case="dense", active=1.0, ms=dense * 1e3, speedup=1.0, gbs=3 * n_ff * d * es / dense / 1e9)]
+    for f in fracs:
+        m = statistics.median(times[f"sparse@{f:g}"])
+        k = int(round(f * n_ff))
+        rows.append(dict(case="sparse", active=f, ms=m * 1e3, speedup=dense / m, gbs=3 * k * d * es / m / 1e9,
+                         ideal_speedup=1 / f))
+    return rows
+
+
+def bench_layouts(d, n_ff, frac, reps, warmup, min_bytes) -> list[dict]:
+    """The packed layout (interleaved gate/up, huge pages) against the file's layout (separate gate, up, down_t in
+    ordinary memory), same kernels: two SDDMM calls instead of one."""
+    import torch.nn.functional as F
+
+    packed = make_layers(d, n_ff, torch.float32, min_bytes)
+    g = torch.Generator().manual_seed(1)
+    separate = [tuple(torch.randn(n_ff, d, generator=g) * d ** -0.5 for _ in range(3)) for _ in packed]
+    k = int(round(frac * n_ff))
+    x = torch.randn(1, d)
+    threads = torch.get_num_threads()
+
+    def sep_sparse(ws, idx):
+        gate, up, down_t = ws
+        crow = torch.arange(threads + 1) * k // threads
+        pat = torch.sparse_csr_tensor(crow, idx, torch.zeros(k), size=(threads, n_ff), check_invariants=False)
+        xm = x.expand(threads, -1).contiguous()
+        a = torch.sparse.sampled_addmm(pat, xm, gate.t(), beta=0.0).values()
+        b = torch.sparse.sampled_addmm(pat, xm, up.t(), beta=0.0).values()
+        h = F.relu(a) * b
+        return F.embedding_bag(idx, down_t, torch.zeros(1, dtype=torch.long), mode="sum", per_sample_weights=h)
+
+    def sep_dense(ws):
+        gate, up, down_t = ws
+        return (F.relu(F.linear(x, gate)) * F.linear(x, up)) @ down_t
+
+    cases = {"packed dense": [], "separate dense": [], "packed sparse": [], "separate sparse": []}
+    for rep in range(reps + warmup):
+        j = rep % len(packed)
+        idx = random_idx(n_ff, k)
+        ts = {"packed dense": timed(lambda: S.ffn_dense(packed[j], x)),
+              "separate dense": timed(lambda: sep_dense(separate[j - 1])),
+              "packed sparse": timed(lambda: S.ffn_sparse(packed[j - 1], x, idx)),
+              "separate sparse": timed(lambda: sep_sparse(separate[j], idx))}
+        if rep >= warmup:
+            for name, t in ts.items():
+                cases[name].append(t)
+    return [dict(case=name, active=1.0 if "dense" in name else frac, ms=statistics.median(v) * 1e3)
+            for name, v in cases.items()]
+
+
+def bench_prefill(layers, Ts, densities, reps, warmup) -> list[dict]:
+    """Dense vs sparse time for T tokens at union density rho; break-even rho per T."""
+    w0 = layers[0]
+    out = []
+    for T in Ts:
+        x = torch.randn(T, w0.n_embd).to(w0.dtype)
+        times = {"dense": []} | {rho: [] for rho in densities}
+        i = 0
+        for rep in range(reps + warmup):
+            w = layers[i % len(layers)]
+            i += 1
+            t = timed(lambda: S.ffn_dense(w, x))
+            if rep >= warmup:
+                times["dense"].append(t)
+            for rho in densities:
+                w = layers[i % len(layers)]
+                i += 1
+                idx = random_idx(w0.n_ff, int(round(rho * w0.n_ff)))
+                t = timed(lambda: S.ffn_sparse(w, x, idx))
+                if rep >= warmup:
+                    times[rho].append(t)
+        dense = statistics.median(times["dense"])
+        ratios = {rho: dense / statistics.median(times[rho]) for rho in densities}
+        # break-even: largest density whose speed-up is still > 1 (linear interpolation between grid points)
+        be = 0.0
+        for a, b in zip(densities, densities[1:]):
+            if ratios[a] >= 1 > ratios[b]:
+                be = a + (b - a) * (ratios[a] - 1) / (ratios[a] - ratios[b])
+                break
+        else:
+            be = densities[-1] if ratios[densities[-1]] >= 1 else 0.0
+        out.append(dict(T=T, dense_ms=dense * 1e3, speedups={f"{r:g}": round(v, 3) for r, v in ratios.items()},
+                        break_even_density=round(be, 3), rule_density=round(S.sparse_max_density(T), 3)))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--n-ff", type=int, default=11008)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="f32", help="comma list of f32, bf16, f16")
+    ap.add_argument("--fracs", default="0.1,0.2,0.5")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--min-bytes", type=int, default=4 * L3_BYTES, help="total weight bytes across layer copies")
+    ap.add_argument("--layouts", action="store_true", help="also compare packed vs separate layouts (fp32)")
+    ap.add_argument("--prefill", action="store_true", help="also measure the dense/sparse break-even per T")
+    ap.add_argument("--decode-t", type=int, default=1, help="tokens per call in the decode table")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    fracs = [float(f) for f in args.fracs.split(",")]
+    result = dict(shape=dict(d=args.d, n_ff=args.n_ff), threads=args.threads, reps=args.reps, warmup=args.warmup,
+                  torch=torch.__version__, load_avg=os.getloadavg(), stream_gbs=round(stream_gbs(), 2), decode={})
+    for name in args.dtype.split(","):
+        layers = make_layers(args.d, args.n_ff, DTYPES[name], args.min_bytes)
+        result["decode"][name] = dict(layer_copies=len(layers),
+                                      rows=bench_decode(layers, fracs, args.reps, args.warmup, args.decode_t))
+        if args.prefill and name == "f32":
+            result["prefill"] = bench_prefill(layers, [1, 2, 4, 8, 16, 32, 64, 128, 256],
+                                              [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
+                                              max(5, args.reps // 4), 2)
+        del layers
+    if args.layouts:
+        result["layouts"] = bench_layouts(args.d, args.n_ff, fracs[0], args.reps, args.warmup, args.min_bytes)
+    result["load_avg_after"] = os.getloadavg()
+
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"FFN d={args.d} n_ff={args.n_ff}, {args.threads} threads, {args.reps} reps (+{args.warmup} warm-up), "
+          f"medians; stream read bound {result['stream_gbs']:.1f} GB/s; load avg {result['load_avg'][0]:.2f}")
+    for name, r in result["decode"].items():
+        print(f"\n{name}, T={args.decode_t}, {r['layer_copies']} layer copies")
+        print(f"{'case':>8} {'active':>7} {'ms':>8} {'speed-up':>9} {'ideal':>6} {'GB/s':>6}")
+        for row in r["rows"]:
+            ideal = f"{row['ideal_speedup']:.1f}" if "ideal_speedup" in row else ""
+            print(f"{row['case']:>8} {row['active']:>7.0%} {row['ms']:>8.2f} {row['speedup']:>8.2f}x {ideal:>6} "
+                  f"{row['gbs']:>6.1f}")
+    if "layouts" in result:
+        print("\nlayouts (fp32, T=1)")
+        for row in result["layouts"]:
+            print(f"{row['case']:>16} {row['active']:>5.0%} {row['ms']:>8.2f} ms")
+    if "prefill" in result:
+        print("\nprefill: sparse speed-up over dense by union density; break-even density vs the rule in sparse_ffn")
+        dens = list(result["prefill"][0]["speedups"])
+        print(f"{'T':>4} {'dense ms':>9} " + " ".join(f"{d:>5}" for d in dens) + "  break-even  rule")
+        for row in result["prefill"]:
+            print(f"{row['T']:>4} {row['dense_ms']:>9.2f} " + " ".join(f"{v:>5.2f}" for v in row["speedups"].values())
+                  + f"  {row['break_even_density']:>10.2f}  {row['rule_density']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

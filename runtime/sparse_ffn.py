@@ -1,0 +1,243 @@
+"""Sparse FFN operators for the CPU: compute only the neurons in an index set, reading their weights in place.
+
+Layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ffn.py --layouts):
+- gate_up [n_ff, 2, d]: neuron i's gate row and up row side by side, so one index list addresses both and a neuron's
+  input weights are one 2*d run of memory; the dense path reads the same tensor as one [2*n_ff, d] GEMM.
+- down_t [n_ff, d]: PowerInfer's ffn_down_t, row i = neuron i's output column; the same index list selects it.
+- Both live in anonymous memory advised for transparent huge pages: random neuron rows then cost no TLB misses.
+
+Decode (T = 1) reads only the selected rows, with no gathered copy:
+- gate/up dot products with torch.sparse.sampled_addmm (SDDMM): a CSR pattern whose columns are the rows 2i, 2i+1 of
+  gate_up viewed as [2*n_ff, d]; torch computes x . row for each stored column, in place, split across threads by
+  CSR rows (the pattern is cut into one row per thread).
+- down projection as an axpy, sum_i h_i * down_t[i], with F.embedding_bag(mode="sum", per_sample_weights=h), whose
+  fbgemm kernel prefetches rows ahead.
+Few tokens (2 <= T < GATHER_MIN_T) use the same two kernels with one CSR row / one bag per token (the rows come from
+cache after the first token). More tokens gather the rows once into a reused workspace (index_select(out=)) and
+run GEMMs, which are compute-efficient.
+
+`ffn_auto` decides dense vs union-of-masks sparse for T tokens by the measured rule `sparse_pays(T, density)`.
+Everything here is exact: for any index set the result equals the dense FFN with the other neurons zeroed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from formats.errors import PinferError
+
+ACTIVATIONS = ("silu", "relu", "drelu")
+
+# Tokens from which the sparse path gathers rows once and runs GEMMs instead of per-token SDDMM/axpy passes.
+GATHER_MIN_T = 4
+SDDMM_DTYPES = (torch.float32, torch.float64)  # dtypes torch.sparse.sampled_addmm supports on the CPU
+# Largest union density at which the sparse path still beats dense, by token count (measured; see README of the
+# benchmark and the report in benchmarks/sparse_ffn.py --prefill). Linear interpolation in T between entries.
+SPARSE_MAX_DENSITY = ((1, 0.60), (2, 0.45), (4, 0.40), (16, 0.45), (64, 0.55), (256, 0.65))
+
+with warnings.catch_warnings():  # torch warns once per process that CSR is "beta"; spend that warning here
+    warnings.simplefilter("ignore")
+    torch.sparse_csr_tensor(torch.zeros(2, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                            size=(1, 1), check_invariants=False)
+
+
+@dataclass(eq=False)
+class FFNWeights:
+    """One layer's FFN in the sparse-friendly layout. Build it with pack_ffn."""
+
+    gate_up: torch.Tensor  # [n_ff, 2, d]: [:, 0] = gate rows, [:, 1] = up rows
+    down_t: torch.Tensor  # [n_ff, d]: row i = neuron i's output column
+    act: str  # "silu" (SwiGLU) | "relu" (ReGLU) | "drelu" (dReLU)
+
+    @property
+    def n_ff(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def n_embd(self) -> int:
+        return self.gate_up.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate_up.dtype
+
+    @property
+    def gate(self) -> torch.Tensor:
+        return self.gate_up[:, 0]
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.gate_up[:, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down_t.nbytes
+
+
+def _huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in anonymous memory advised for transparent huge pages (falls back to torch.empty)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < 4 << 20 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass  # THP disabled: ordinary pages still work
+    return torch.frombuffer(mem, dtype=dtype, count=numel).view(shape)  # the tensor keeps `mem` alive
+
+
+def pack_ffn(gate, up, down, *, down_transposed: bool, act: str, dtype: torch.dtype | None = None) -> FFNWeights:
+    """Copy a layer's FFN matrices (numpy arrays or tensors, GGUF numpy shapes) into the sparse layout.
+
+    gate, up: [n_ff, d]. down: [n_ff, d] if down_transposed (PowerInfer's ffn_down_t) else [d, n_ff] (ffn_down).
+    dtype: storage/compute dtype (default: that of gate). The copy is the only one made; sources may be mmap views.
+    """
+    if act not in ACTIVATIONS:
+        raise PinferError(f"unknown FFN activation '{act}' (expected one of {', '.join(ACTIVATIONS)})")
+    gate, up, down = (torch.as_tensor(t) for t in (gate, up, down))
+    dtype = dtype or gate.dtype
+    n_ff, d = gate.shape
+    down_shape = (n_ff, d) if down_transposed else (d, n_ff)
+    if up.shape != (n_ff, d) or tuple(down.shape) != down_shape:
+        raise PinferError(f"FFN shapes do not match: gate {tuple(gate.shape)}, up {tuple(up.shape)}, "
+                          f"down{'_t' if down_transposed else ''} {tuple(down.shape)} (expected {down_shape}); "
+                          f"the model file is inconsistent")
+    gate_up = _huge_empty((n_ff, 2, d), dtype)
+    gate_up[:, 0].copy_(gate)
+    gate_up[:, 1].copy_(up)
+    down_t = _huge_empty((n_ff, d), dtype)
+    down_t.copy_(down if down_transposed else down.T)
+    return FFNWeights(gate_up, down_t, act)
+
+
+def _activate(a: torch.Tensor, act: str) -> torch.Tensor:
+    """a: (..., 2) pairs (gate, up) -> hidden activations (...)."""
+    g, u = a[..., 0], a[..., 1]
+    if act == "relu":
+        return F.relu(g) * u
+    if act == "drelu":
+        return F.relu(g) * F.relu(u)
+    return F.silu(g) * u
+
+
+def ffn_dense(w: FFNWeights, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole FFN for x [T, d] -> [T, d]: one GEMM over gate_up, the activation, one GEMM over down_t.
+    keep: optional indices; every other neuron's activation is zeroed (the semantics of ffn_sparse)."""
+    a = F.linear(x, w.gate_up.view(2 * w.n_ff, w.n_embd))  # (T, 2 n_ff), pairs (gate_i, up_i)
+    h = _activate(a.view(-1, w.n_ff, 2), w.act)  # (T, n_ff)
+    if keep is not None:
+        mask = torch.zeros(w.n_ff, dtype=h.dtype)
+        mask[keep] = 1
+        h = h * mask
+    return h @ w.down_t
+
+
+# --- sparse ------------------------------------------------------------------------------------------------------
+
+class _Workspace(threading.local):
+    """Per-thread scratch for the gathering path, grown on demand and reused (no page faults per call)."""
+
+    def __init__(self):
+        self.bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.bufs.get((key, width, dtype))
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty(max(rows, 64), width, dtype=dtype)
+            self.bufs[(key, width, dtype)] = buf
+        return buf[:rows]
+
+
+_ws = _Workspace()
+
+
+def _sddmm_gate_up(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, parts: int) -> torch.Tensor:
+    """(T, k, 2) gate/up pre-activations of neurons idx for every row of x, reading the rows in place.
+
+    The CSR pattern has one row per token (T > 1) or, for one token, `parts` rows that split idx between threads
+    (sampled_addmm parallelises over CSR rows)."""
+    T, k = x.shape[0], idx.numel()
+    cols = torch.stack((2 * idx, 2 * idx + 1), dim=1).view(-1)  # rows of gate_up viewed as [2 n_ff, d]
+    if T == 1 and parts > 1 and k >= 2 * parts:
+        crow = torch.arange(parts + 1) * k // parts * 2  # cut between neurons, never inside a (gate, up) pair
+        mat1 = x.expand(parts, -1).contiguous()
+    else:
+        parts = T
+        crow = torch.arange(T + 1) * (2 * k)
+        cols = cols.repeat(T) if T > 1 else cols
+        mat1 = x
+    pattern = torch.sparse_csr_tensor(crow, cols, torch.zeros(cols.numel(), dtype=x.dtype),
+                                      size=(parts, 2 * w.n_ff), check_invariants=False)
+    table = w.gate_up.view(2 * w.n_ff, w.n_embd)
+    vals = torch.sparse.sampled_addmm(pattern, mat1, table.t(), beta=0.0).values()
+    return vals.view(T, k, 2)
+
+
+def _axpy_down(w: FFNWeights, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """sum_j h[t, j] * down_t[idx[j]] for every row t of h (T, k) -> (T, d), reading the rows in place."""
+    T, k = h.shape
+    offsets = torch.arange(T) * k
+    ind = idx.repeat(T) if T > 1 else idx
+    return F.embedding_bag(ind, w.down_t, offsets, mode="sum", per_sample_weights=h.reshape(-1))
+
+
+def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+    """The FFN for x [T, d] computed on neurons idx only (LongTensor, sorted or not, no duplicates): the dense FFN with
+    every other neuron's activation set to zero. For ReLU variants and idx = every neuron that fires for any row
+    (the union of the rows' masks), this equals ffn_dense exactly up to float rounding."""
+    T = x.shape[0]
+    k = idx.numel()
+    if k == 0:
+        return x.new_zeros(T, w.n_embd)
+    d = w.n_embd
+    if T < GATHER_MIN_T and w.dtype in SDDMM_DTYPES:
+        a = _sddmm_gate_up(w, x, idx, threads or torch.get_num_threads())  # (T, k, 2)
+    else:  # sampled_addmm has no half-precision CPU kernel: gather the rows once, then one GEMM
+        gu = torch.index_select(w.gate_up.view(w.n_ff, 2 * d), 0, idx, out=_ws.get("gate_up", k, 2 * d, w.dtype))
+        a = F.linear(x, gu.view(2 * k, d)).view(T, k, 2)
+    h = _activate(a, w.act)  # (T, k)
+    if T < GATHER_MIN_T:
+        return _axpy_down(w, h, idx)
+    down = torch.index_select(w.down_t, 0, idx, out=_ws.get("down", k, d, w.dtype))
+    return h @ down
+
+
+# --- dense or sparse ---------------------------------------------------------------------------------------------
+
+def sparse_max_density(T: int) -> float:
+    """Largest fraction of active neurons (union over the T rows) at which ffn_sparse beats ffn_dense."""
+    pts = SPARSE_MAX_DENSITY
+    if T <= pts[0][0]:
+        return pts[0][1]
+    for (t0, d0), (t1, d1) in zip(pts, pts[1:]):
+        if T <= t1:
+            return d0 + (d1 - d0) * (T - t0) / (t1 - t0)
+    return pts[-1][1]
+
+
+def sparse_pays(T: int, n_active: int, n_ff: int) -> bool:
+    return n_active <= sparse_max_density(T) * n_ff
+
+
+def union_indices(mask: torch.Tensor) -> torch.Tensor:
+    """Sorted indices of neurons active in any row of a bool mask [T, n_ff] (or [n_ff])."""
+    m = mask if mask.dim() == 1 else mask.any(dim=0)
+    return m.nonzero().view(-1)
+
+
+def ffn_auto(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The FFN on neurons idx (the union of the rows' masks), by ffn_sparse when the measured rule says it pays for
+    this many tokens, else by ffn_dense with the other neurons zeroed: the result never depends on the choice."""
+    if sparse_pays(x.shape[0], idx.numel(), w.n_ff):
+        return ffn_sparse(w, x, idx)
+    return ffn_dense(w, x, keep=idx)

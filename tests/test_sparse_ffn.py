@@ -1,0 +1,142 @@
+"""Sparse FFN operators: exactness against an independent dense reference, every variant and path (no timing)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from formats.errors import PinferError
+from runtime import sparse_ffn as S
+
+N_FF, D = 320, 96
+
+
+def reference(gate, up, down_t, x, act, keep=None):
+    """The FFN from the raw matrices, with neurons outside `keep` zeroed; computed in float64."""
+    g, u = x.double() @ gate.double().T, x.double() @ up.double().T
+    h = {"silu": F.silu(g) * u, "relu": F.relu(g) * u, "drelu": F.relu(g) * F.relu(u)}[act]
+    if keep is not None:
+        mask = torch.zeros(gate.shape[0], dtype=torch.float64)
+        mask[keep] = 1
+        h = h * mask
+    return h @ down_t.double()
+
+
+def exact_mask(gate, up, x, act):
+    g, u = x @ gate.T, x @ up.T
+    return (g > 0) if act == "relu" else (g > 0) & (u > 0)
+
+
+@pytest.fixture(scope="module")
+def mats():
+    gen = torch.Generator().manual_seed(0)
+    gate, up, down_t = (torch.randn(N_FF, D, generator=gen) * D ** -0.5 for _ in range(3))
+    return gate, up, down_t
+
+
+def close(a, b, tol=2e-5):
+    err = (a.double() - b).abs().max().item()
+    scale = b.abs().max().item()
+    assert err <= tol * scale, f"max error {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("act", S.ACTIVATIONS)
+@pytest.mark.parametrize("down_transposed", [True, False])
+def test_dense_matches_reference(mats, act, down_transposed):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t if down_transposed else down_t.T.contiguous(), down_transposed=down_transposed,
+                   act=act)
+    x = torch.randn(5, D)
+    close(S.ffn_dense(w, x), reference(gate, up, down_t, x, act))
+    assert torch.equal(w.gate, gate) and torch.equal(w.up, up) and torch.equal(w.down_t, down_t)
+
+
+@pytest.mark.parametrize("act", ["relu", "drelu"])
+@pytest.mark.parametrize("T", [1, 2, 3, S.GATHER_MIN_T, 9])
+def test_relu_exact_mask_equals_dense(mats, act, T):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act=act)
+    x = torch.randn(T, D)
+    idx = S.union_indices(exact_mask(gate, up, x, act))
+    assert 0 < idx.numel() < N_FF  # a real subset, or the test would not test sparsity
+    out = S.ffn_sparse(w, x, idx)
+    close(out, reference(gate, up, down_t, x, act))
+    close(out, S.ffn_dense(w, x).double())
+
+
+@pytest.mark.parametrize("T", [1, 2, S.GATHER_MIN_T, 7])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_silu_any_index_set(mats, T, threads):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act="silu")
+    x = torch.randn(T, D)
+    idx = torch.randperm(N_FF, generator=torch.Generator().manual_seed(T))[:77]  # unsorted on purpose
+    close(S.ffn_sparse(w, x, idx, threads=threads), reference(gate, up, down_t, x, "silu", keep=idx))
+    close(S.ffn_dense(w, x, keep=idx), reference(gate, up, down_t, x, "silu", keep=idx))
+
+
+def test_sparse_neurons_outside_idx_do_not_contribute(mats):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act="silu")
+    x = torch.randn(1, D)
+    idx = torch.arange(0, N_FF, 3)
+    full = reference(gate, up, down_t, x, "silu")
+    out = S.ffn_sparse(w, x, idx)
+    assert (out.double() - full).abs().max() > 1e-3  # SwiGLU: dropping neurons changes the output
+    close(out, reference(gate, up, down_t, x, "silu", keep=idx))
+
+
+def test_empty_and_single_index(mats):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act="relu")
+    x = torch.randn(2, D)
+    assert torch.equal(S.ffn_sparse(w, x, torch.zeros(0, dtype=torch.long)), torch.zeros(2, D))
+    one = torch.tensor([5])
+    close(S.ffn_sparse(w, x[:1], one), reference(gate, up, down_t, x[:1], "relu", keep=one))
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_bfloat16_path(mats, T):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act="relu", dtype=torch.bfloat16)
+    assert w.dtype == torch.bfloat16
+    x = torch.randn(T, D)
+    idx = S.union_indices(exact_mask(w.gate.float(), w.up.float(), x.bfloat16().float(), "relu"))
+    ref = reference(w.gate.float(), w.up.float(), w.down_t.float(), x.bfloat16().float(), "relu")
+    close(S.ffn_sparse(w, x.bfloat16(), idx).float(), ref, tol=3e-2)
+
+
+@pytest.mark.parametrize("T,frac", [(1, 0.1), (1, 1.0), (64, 0.1), (64, 1.0)])
+def test_auto_result_does_not_depend_on_the_choice(mats, monkeypatch, T, frac):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act="silu")
+    x = torch.randn(T, D)
+    idx = torch.arange(int(frac * N_FF))
+    chose = []
+    real = S.ffn_sparse
+    monkeypatch.setattr(S, "ffn_sparse", lambda *a, **k: chose.append("sparse") or real(*a, **k))
+    close(S.ffn_auto(w, x, idx), reference(gate, up, down_t, x, "silu", keep=idx))
+    assert chose == (["sparse"] if frac < S.sparse_max_density(T) else [])
+
+
+def test_rule_interpolates_between_measured_points():
+    pts = dict(S.SPARSE_MAX_DENSITY)
+    for t, dens in pts.items():
+        assert S.sparse_max_density(t) == pytest.approx(dens)
+    assert 0 < S.sparse_max_density(10 ** 6) <= 1
+    assert S.sparse_pays(1, 0, 100) and not S.sparse_pays(1, 100, 100)
+
+
+def test_pack_rejects_bad_input(mats):
+    gate, up, down_t = mats
+    with pytest.raises(PinferError, match="shapes do not match"):
+        S.pack_ffn(gate, up, down_t, down_transposed=False, act="relu")  # [n_ff, d] given as ffn_down
+    with pytest.raises(PinferError, match="unknown FFN activation"):
+        S.pack_ffn(gate, up, down_t, down_transposed=True, act="gelu")
+
+
+def test_large_layer_uses_huge_page_memory_and_stays_alive():
+    n_ff, d = 1024, 1024  # 8 MiB of gate_up: above the huge-page threshold
+    w = S.pack_ffn(torch.ones(n_ff, d), torch.ones(n_ff, d), torch.ones(n_ff, d), down_transposed=True, act="relu")
+    view = w.gate_up[3]
+    del w
+    assert float(view.sum()) == 2 * d  # the view keeps the anonymous mapping alive
