@@ -72,8 +72,12 @@ class Model:
         if len(ids) == 0:
             raise PinferError("the prompt is empty")
         if len(ids) + extra > self.ctx_size:
-            raise PinferError(f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size}; "
+            room = " and leaves no room to generate" if len(ids) <= self.ctx_size else ""
+            raise PinferError(f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size}{room}; "
                               f"shorten the prompt or pass a larger --ctx-size")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise PinferError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         return torch.tensor(list(ids), dtype=torch.long)
 
     def _prefill(self, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
@@ -92,14 +96,19 @@ class Model:
         tokens = self._check_ids(ids)
         return self._prefill(tokens, all_logits=True).numpy()
 
-    @torch.inference_mode()
     def generate(self, ids: Sequence[int], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                  seed: int | None = None, stop_ids: set[int] | None = None) -> Iterator[int]:
-        """Yield up to max_tokens new token ids after the prompt `ids`; self.stats holds the timings."""
+        """Yield up to max_tokens new token ids after the prompt `ids`; self.stats holds the timings.
+        The prompt is checked here, before the first token is asked for."""
         tokens = self._check_ids(ids, extra=1)
         sample = make_sampler(SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed))
         stop_ids = self.tokenizer.stop_ids if stop_ids is None else stop_ids
+        return self._generate(tokens, max_tokens, sample, stop_ids)
+
+    @torch.inference_mode()
+    def _generate(self, tokens: torch.Tensor, max_tokens: int, sample, stop_ids: set[int]) -> Iterator[int]:
+        ids = tokens.tolist()
         history = list(ids)
         st = self.stats = Stats(load_s=self.stats.load_s, prompt_tokens=len(ids))
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The dense feed-forward block: SwiGLU, ReGLU or dReLU, then the down projection, added to the residual."""
+"""The dense feed-forward block: SwiGLU, ReGLU or dReLU, then the down projection."""
 
 from __future__ import annotations
 
@@ -26,5 +26,5 @@ class DenseFFN:
         gu = self.gate_up(x)  # (T, 2 n_ff)
         return activate(gu[:, :self.n_ff], gu[:, self.n_ff:], self.act)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self.down(self.hidden(x)).to(residual.dtype)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.hidden(x))

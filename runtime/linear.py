@@ -51,17 +51,16 @@ class Int4Linear:
     activation quantisation does for the same weights.
     """
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         # q: int32 [out, in] values 0..15; scale, zero: [out, in/32]
         self.out_features, self.in_features = q.shape
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         sz = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [in/32, out, 2]
         self.scale_zero = sz.to(torch.bfloat16).contiguous()
-        self.dtype = out_dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero)
-        return y.to(self.dtype)
+        """Answers in bf16; callers add it to an fp32 residual, which promotes without an extra op."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero)
 
     @property
     def nbytes(self) -> int:
@@ -78,13 +77,11 @@ class SplitInt4Linear:
     def __init__(self, hi: Int4Linear, lo: Int4Linear):
         self.hi, self.lo = hi, lo
         self.out_features, self.in_features = hi.out_features, hi.in_features
-        self.dtype = hi.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.hi.packed, GROUP, self.hi.scale_zero).float()
-        y += torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.lo.packed, GROUP, self.lo.scale_zero)
-        return y.to(self.dtype)
+        return y + torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.lo.packed, GROUP, self.lo.scale_zero)
 
     @property
     def nbytes(self) -> int:
@@ -171,11 +168,11 @@ def load_linear(f: GGUFFile, names: list[str], dtype: torch.dtype, quantized: bo
     qt = _fast_type(f, names) if quantized else None
     if qt in INT4_TYPES:
         parts = [_int4_parts(f, n) for n in names]
-        return Int4Linear(*(torch.cat(p, dim=0) for p in zip(*parts)), out_dtype=dtype)
+        return Int4Linear(*(torch.cat(p, dim=0) for p in zip(*parts)))
     if qt == T.Q8_0:
         his, los = zip(*(_q8_parts(f, n) for n in names))
-        hi = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*his)), out_dtype=dtype)
-        lo = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*los)), out_dtype=dtype)
+        hi = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*his)))
+        lo = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*los)))
         return SplitInt4Linear(hi, lo)
     ws = [dequantize(f, n, dtype) for n in names]
     w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=0)

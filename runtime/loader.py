@@ -58,10 +58,10 @@ def load_block(f: GGUFFile, cfg: ModelConfig, i: int, dtype: torch.dtype, quanti
     else:
         down = load_linear(f, [t(C.FFN_DOWN)], dtype, quantized)
     return BlockWeights(
-        attn_norm=dequantize(f, t(C.ATTN_NORM)),
+        attn_norm=dequantize(f, t(C.ATTN_NORM), dtype),
         wqkv=wqkv,
         wo=wo,
-        ffn_norm=dequantize(f, t(C.FFN_NORM)),
+        ffn_norm=dequantize(f, t(C.FFN_NORM), dtype),
         ffn=DenseFFN(gate_up, down, cfg.ffn_act, cfg.n_ff),
     )
 

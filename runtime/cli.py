@@ -1,0 +1,127 @@
+"""pi-run: load a GGUF/PWRI model and generate text on the CPU.
+
+    pi-run smollm2 -p "Once upon a time" -n 64
+    pi-run model.gguf --chat -p "Write a haiku about caches" --temp 0.7 --seed 1
+    pi-run model.gguf -p "..." --json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from formats.errors import PinferError, report
+
+app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+class TextStream:
+    """Turns a growing token list into printable text deltas: a token may end inside a multi-byte character, so
+    text ending in U+FFFD is held back until the character completes."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.sent = tokenizer, [], 0
+
+    def push(self, tok: int) -> str:
+        self.ids.append(tok)
+        text = self.tok.decode(self.ids, skip_special=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self.tok.decode(self.ids, skip_special=True)
+
+
+def build_prompt(m, prompt: str, chat: bool, system: str | None) -> list[int]:
+    tok = m.tokenizer
+    if not chat:
+        return tok.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    # a template that writes the BOS token itself must not get a second one
+    bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else None
+    return tok.encode(text, add_special=not (bos and text.startswith(bos)))
+
+
+def print_summary(m) -> None:
+    from rich.console import Console
+
+    st, con = m.stats, Console(stderr=True, highlight=False, soft_wrap=True)
+    con.print(f"[bold]load[/]   {st.load_s:6.2f} s       {Path(m.file.path).name}, {m.cfg.n_layer} layers, "
+              f"ctx {m.ctx_size}, {m.threads} threads")
+    con.print(f"[bold]prompt[/] {st.prompt_tps:6.1f} tok/s   {st.prompt_tokens} tokens in {st.prompt_s:.2f} s")
+    con.print(f"[bold]decode[/] {st.decode_tps:6.1f} tok/s   {st.decode_tokens} tokens in {st.decode_s:.2f} s "
+              f"({st.stop_reason})")
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the demo model.")],
+    prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Prompt text.")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 128,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
+    temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling; 0 = off.")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling; 1.0 = off.")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Min-p sampling; 0 = off.")] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty; 1.0 = off.")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")] = 64,
+    seed: Annotated[int | None, typer.Option("--seed", help="RNG seed for sampling.")] = None,
+    ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size).")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Activations and dequantised weights: f32, bf16, f16.")] = "f32",
+    ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
+    = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print text and timings as one JSON object.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
+) -> None:
+    """Generate text with a GGUF model on the CPU."""
+    try:
+        if file is not None:
+            if not file.exists():
+                raise PinferError(f"{file}: no such prompt file")
+            prompt = file.read_text(encoding="utf-8")
+        if prompt is None:
+            raise PinferError("no prompt: pass -p TEXT or -f FILE")
+        if n_predict < 0:
+            raise PinferError(f"-n must be >= 0, got {n_predict}")
+        from runtime import load_model
+
+        m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act)
+        ids = build_prompt(m, prompt, chat, system)
+        stream = TextStream(m.tokenizer)
+        gen = m.generate(ids, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+        if as_json:
+            for tok in gen:
+                stream.push(tok)
+            print(json.dumps({"model": str(m.file.path), "prompt": prompt, "text": stream.text,
+                              "tokens": stream.ids, "timings": m.stats.as_dict()}, ensure_ascii=False))
+            return
+        if not chat:
+            sys.stdout.write(prompt)
+        for tok in gen:
+            sys.stdout.write(stream.push(tok))
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        print_summary(m)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
+        raise typer.Exit(report(e, verbose, prog="pi-run")) from None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Each kind of bad input to pi-run: a one-line error naming the problem, non-zero exit, no traceback."""
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+from typer.testing import CliRunner
+
+from formats import constants as C
+from formats.model_writer import write_llama
+from formats.writer import RawTensor
+from runtime.cli import app
+from tests.tiny import random_weights, tiny_config, write_tiny
+
+runner = CliRunner()
+
+
+def run(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    out = res.output.strip()
+    return res.exit_code, out
+
+
+def assert_one_line_error(code, out, *needles):
+    assert code != 0, out
+    assert "Traceback" not in out, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, out
+    assert lines[0].startswith("pi-run: error:"), out
+    for n in needles:
+        assert n in lines[0], out
+
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(*run(tmp_path / "nope.gguf", "-p", "hi"), "nope.gguf", "no such file")
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("this is a text file, not a model\n" * 4)
+    assert_one_line_error(*run(p, "-p", "hi"), "notes.gguf", "not a GGUF file")
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.9])
+def test_truncated(tmp_path, keep):
+    write_tiny(tmp_path / "m.gguf")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:int(len(data) * keep)])
+    assert_one_line_error(*run(tmp_path / "cut.gguf", "-p", "hi"), "cut.gguf", "truncated")
+
+
+def test_unknown_architecture(tmp_path):
+    cfg = tiny_config(arch="mamba")
+    write_llama(tmp_path / "m.gguf", cfg, random_weights(cfg))
+    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi"), "architecture 'mamba' is not supported")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    cfg = tiny_config(n_embd=256, n_ff=256, n_head=4, n_head_kv=4)
+    w = random_weights(cfg)
+    rows = cfg.n_ff
+    w[C.tensor(C.FFN_UP, 1)] = RawTensor(np.zeros((rows, 84), np.uint8), T.Q2_K, (rows, 256))  # Q2_K: 84 B/256
+    write_llama(tmp_path / "m.gguf", cfg, w)
+    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi"), "blk.1.ffn_up.weight", "Q2_K")
+
+
+def test_missing_tensor(tmp_path):
+    cfg = tiny_config()
+    w = random_weights(cfg)
+    del w[C.tensor(C.FFN_GATE, 1)]
+    write_llama(tmp_path / "m.gguf", cfg, w)
+    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi"), "missing tensor 'blk.1.ffn_gate.weight'")
+
+
+def test_prompt_longer_than_context(tmp_path):
+    write_tiny(tmp_path / "m.gguf")
+    code, out = run(tmp_path / "m.gguf", "-p", "a long prompt " * 20, "--ctx-size", "16", "-n", "4")
+    assert_one_line_error(code, out, "context holds 16", "--ctx-size")
+
+
+def test_bad_dtype(tmp_path):
+    write_tiny(tmp_path / "m.gguf")
+    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi", "--dtype", "f8"), "unknown dtype")
+
+
+def test_verbose_shows_traceback(tmp_path):
+    code, out = run(tmp_path / "nope.gguf", "-p", "hi", "--verbose")
+    assert code != 0 and "Traceback" in out
+
+
+def test_json_output(tmp_path):
+    import json
+
+    write_tiny(tmp_path / "m.gguf")
+    code, out = run(tmp_path / "m.gguf", "-p", "hello", "-n", "5", "--temp", "0", "--json")
+    assert code == 0, out
+    obj = json.loads(out)
+    assert len(obj["tokens"]) == 5 and obj["timings"]["decode_tokens"] == 5 and isinstance(obj["text"], str)
