@@ -26,5 +26,6 @@ class DenseFFN:
         gu = self.gate_up(x)  # (T, 2 n_ff)
         return activate(gu[:, :self.n_ff], gu[:, self.n_ff:], self.act)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the ffn_norm output [T, d]; residual (the pre-norm input, which predictors read) is unused here."""
         return self.down(self.hidden(x))

@@ -29,7 +29,7 @@ class BlockWeights:
     wqkv: Linear  # d -> (n_head + 2 n_head_kv) * head_dim
     wo: Linear  # n_head * head_dim -> d
     ffn_norm: torch.Tensor  # [d]
-    ffn: object  # DenseFFN or a sparse FFN: callable(x [T, d]) -> [T, d]
+    ffn: object  # DenseFFN or SparseFFN: callable(normed x [T, d], residual x [T, d]) -> [T, d]
 
 
 def rope_table(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
@@ -82,7 +82,7 @@ class Transformer:
         x = self.tok_embd(tokens).to(self.dtype)  # (T, d)
         for li, b in enumerate(self.blocks):
             x = x + self.attention(li, b, F.rms_norm(x, shape, b.attn_norm, eps), pos)
-            x = x + b.ffn(F.rms_norm(x, shape, b.ffn_norm, eps))
+            x = x + b.ffn(F.rms_norm(x, shape, b.ffn_norm, eps), x)  # predictors read the pre-norm residual
         if not all_logits:
             x = x[-1:]
         return self.output(F.rms_norm(x, shape, self.output_norm, eps)).float()

@@ -1,0 +1,61 @@
+"""PowerInfer's activation predictors: per layer, Linear -> ReLU -> Linear without biases.
+
+Neuron i is predicted active iff fc2(relu(fc1 x))[i] >= threshold, where x is the layer's pre-norm residual (the FFN
+input before ffn_norm). GGUF stores fc1 as [r, d] and fc2 as [n_ff, r] in numpy order (ggml ne [d, r] / [r, n_ff]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from formats import constants as C
+from formats.errors import PinferError
+from formats.reader import GGUFFile
+
+
+@dataclass
+class Predictor:
+    fc1: torch.Tensor  # [r, d]
+    fc2: torch.Tensor  # [n_ff, r]
+    threshold: float = 0.0
+
+    @property
+    def rank(self) -> int:
+        return self.fc1.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> [T, n_ff]"""
+        return F.linear(F.relu(F.linear(x.to(self.fc1.dtype), self.fc1)), self.fc2)
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scores(x) >= self.threshold
+
+
+def sparse_threshold(f: GGUFFile) -> float:
+    return float(f.get(C.SPARSE_THRESHOLD, 0.0))
+
+
+def load_predictors(f: GGUFFile, n_layer: int, dtype: torch.dtype = torch.float32) -> list[Predictor]:
+    """Every layer's predictor from a file; raises if any layer lacks one."""
+    from .linear import dequantize
+
+    thr = sparse_threshold(f)
+    preds = []
+    for i in range(n_layer):
+        n1, n2 = C.tensor(C.PRED_FC1, i), C.tensor(C.PRED_FC2, i)
+        if not (f.has(n1) and f.has(n2)):
+            raise PinferError(f"{f.path}: layer {i} has no predictor ({n1}); run `pi-profile {f.path.name} "
+                              f"--train-predictors` first, or run with --dense")
+        fc1, fc2 = dequantize(f, n1, dtype), dequantize(f, n2, dtype)
+        if fc1.shape[0] != fc2.shape[1]:
+            raise PinferError(f"{f.path}: predictor of layer {i} has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}, "
+                              f"which do not chain")
+        preds.append(Predictor(fc1.contiguous(), fc2.contiguous(), thr))
+    return preds
