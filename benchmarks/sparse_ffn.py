@@ -59,9 +59,9 @@ def stream_gbs(reps: int = 7) -> float:
     return buf.nbytes / statistics.median(ts[1:]) / 1e9
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> float:
     t = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - t
 
 
@@ -76,14 +76,14 @@ def bench_decode(layers, fracs, reps, warmup, T=1) -> list[dict]:
     for rep in range(reps + warmup):
         w = layers[i % len(layers)]
         i += 1
-        dt = timed(lambda: S.ffn_dense(w, x))
+        dt = timed(S.ffn_dense, w, x)
         if rep >= warmup:
             times["dense"].append(dt)
         for f in fracs:
             w = layers[i % len(layers)]
             i += 1
             idx = random_idx(n_ff, int(round(f * n_ff)))
-            dt = timed(lambda: S.ffn_sparse(w, x, idx))
+            dt = timed(S.ffn_sparse, w, x, idx)
             if rep >= warmup:
                 times[f"sparse@{f:g}"].append(dt)
     dense = statistics.median(times["dense"])
@@ -126,10 +126,10 @@ def bench_layouts(d, n_ff, frac, reps, warmup, min_bytes) -> list[dict]:
     for rep in range(reps + warmup):
         j = rep % len(packed)
         idx = random_idx(n_ff, k)
-        ts = {"packed dense": timed(lambda: S.ffn_dense(packed[j], x)),
-              "separate dense": timed(lambda: sep_dense(separate[j - 1])),
-              "packed sparse": timed(lambda: S.ffn_sparse(packed[j - 1], x, idx)),
-              "separate sparse": timed(lambda: sep_sparse(separate[j], idx))}
+        ts = {"packed dense": timed(S.ffn_dense, packed[j], x),
+              "separate dense": timed(sep_dense, separate[j - 1]),
+              "packed sparse": timed(S.ffn_sparse, packed[j - 1], x, idx),
+              "separate sparse": timed(sep_sparse, separate[j], idx)}
         if rep >= warmup:
             for name, t in ts.items():
                 cases[name].append(t)
@@ -148,21 +148,21 @@ def bench_prefill(layers, Ts, densities, reps, warmup) -> list[dict]:
         for rep in range(reps + warmup):
             w = layers[i % len(layers)]
             i += 1
-            t = timed(lambda: S.ffn_dense(w, x))
+            t = timed(S.ffn_dense, w, x)
             if rep >= warmup:
                 times["dense"].append(t)
             for rho in densities:
                 w = layers[i % len(layers)]
                 i += 1
                 idx = random_idx(w0.n_ff, int(round(rho * w0.n_ff)))
-                t = timed(lambda: S.ffn_sparse(w, x, idx))
+                t = timed(S.ffn_sparse, w, x, idx)
                 if rep >= warmup:
                     times[rho].append(t)
         dense = statistics.median(times["dense"])
         ratios = {rho: dense / statistics.median(times[rho]) for rho in densities}
         # break-even: largest density whose speed-up is still > 1 (linear interpolation between grid points)
         be = 0.0
-        for a, b in zip(densities, densities[1:]):
+        for a, b in zip(densities, densities[1:], strict=False):
             if ratios[a] >= 1 > ratios[b]:
                 be = a + (b - a) * (ratios[a] - 1) / (ratios[a] - ratios[b])
                 break

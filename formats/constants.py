@@ -116,3 +116,38 @@ def tensor(template: str, bid: int) -> str:
 
 def arch_key(template: str, arch: str) -> str:
     return template.format(arch=arch)
+
+# synth
+# Synthetic models with planted activation locality (formats/synth.py). Stored as metadata, not tensors, so that a
+# llama loader finds exactly the tensors it expects.
+SYNTH_TARGET_FREQ = "pinfer.synth.target_freq.{bid}"  # f32 array [n_ff]: planted P(neuron i active) in block bid
+SYNTH_SEED = "pinfer.synth.seed"  # u32
+SYNTH_SPARSITY = "pinfer.synth.sparsity"  # f32: planted mean fraction of inactive neurons per token
+SYNTH_SKEW = "pinfer.synth.skew"  # f32: power-law exponent of frequency over neuron rank
+SYNTH_CALIB_TOKENS = "pinfer.synth.calib_tokens"  # u32: random tokens each layer was calibrated on
+SYNTH_TOP1_PROB = "pinfer.synth.top1_prob"  # f32: mean top-1 next-token probability on the calibration batch
+
+# planner
+# pi-plan's own plan keys (beside the PLAN_* keys above). Device codes in the u8 arrays: 0 = CPU, k = GPU k (1-based,
+# in the order of pinfer.plan.gpus), so "nonzero" still reads as "on a GPU".
+PLAN_FFN_GPU = "pinfer.plan.ffn_gpu"  # u8 array [n_layer]: GPU holding the layer's GPU neurons (0: none)
+PLAN_GPU_NEURONS = "pinfer.plan.gpu_neurons"  # u32 array [n_layer]: neurons on the GPU (the hottest ones)
+PLAN_SPLIT = "pinfer.plan.split"  # u8 array [n_layer]: 1 where the layer runs on both a GPU and the CPU
+PLAN_OUTPUT_GPU = "pinfer.plan.output_gpu"  # u8: device of the output head
+PLAN_VRAM_USED = "pinfer.plan.vram_used"  # u64 array [n_gpus]: bytes by the planner's accounting
+PLAN_GROUP = "pinfer.plan.group"  # u32: neuron group size of the solve
+PLAN_SOLVER = "pinfer.plan.solver"  # str: "cbc" | "highs"
+PLAN_SOLVE_SECONDS = "pinfer.plan.solve_seconds"  # f32
+PLAN_HARDWARE = "pinfer.plan.hardware"  # str: JSON of the hardware description the plan was made for
+PLAN_BASELINES = "pinfer.plan.baselines"  # str: JSON {baseline: predicted tokens/s or null}
+PLAN_VERSION = "pinfer.plan.version"  # u32: layout version of these keys (1)
+
+# Skeleton GGUF: metadata and activation statistics only. Weight tensors are declared in metadata instead of being
+# stored, so the file stays a few MB and standard GGUF readers still open it. The planner reads shapes through
+# planner.memory.tensor_table, which merges these declarations with the real tensor infos.
+SKELETON = "pinfer.skeleton"  # bool: true in a skeleton file
+SKELETON_SHAPE = "pinfer.skeleton.shape"  # str: the known shape it was made from ("llama2-70b")
+SKELETON_TENSOR_NAMES = "pinfer.skeleton.tensor_names"  # str array [n]
+SKELETON_TENSOR_TYPES = "pinfer.skeleton.tensor_types"  # u32 array [n]: GGMLQuantizationType
+SKELETON_TENSOR_N_DIMS = "pinfer.skeleton.tensor_n_dims"  # u32 array [n]
+SKELETON_TENSOR_NE = "pinfer.skeleton.tensor_ne"  # u64 array [4 n]: ggml ne, padded with 1 to four dims

@@ -219,7 +219,7 @@ def sparse_max_density(T: int) -> float:
     pts = SPARSE_MAX_DENSITY
     if T <= pts[0][0]:
         return pts[0][1]
-    for (t0, d0), (t1, d1) in zip(pts, pts[1:]):
+    for (t0, d0), (t1, d1) in zip(pts, pts[1:], strict=False):
         if T <= t1:
             return d0 + (d1 - d0) * (T - t0) / (t1 - t0)
     return pts[-1][1]

