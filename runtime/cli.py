@@ -82,11 +82,16 @@ def run(
     dtype: Annotated[str, typer.Option("--dtype", help="Activations and dequantised weights: f32, bf16, f16.")] = "f32",
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
     = None,
+    perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
+                                                         "(windows of --ctx-size, default 512) instead of generating.")]
+    = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print text and timings as one JSON object.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
 ) -> None:
     """Generate text with a GGUF model on the CPU."""
     try:
+        if perplexity_file is not None:
+            return run_perplexity(model, perplexity_file, threads, ctx_size, dtype, ffn_act, as_json)
         if file is not None:
             if not file.exists():
                 raise PinferError(f"{file}: no such prompt file")
@@ -117,6 +122,30 @@ def run(
         print_summary(m)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-run")) from None
+
+
+def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from runtime import load_model
+    from runtime.perplexity import perplexity
+
+    if not path.exists():
+        raise PinferError(f"{path}: no such text file for --perplexity")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    window = ctx_size or 512
+    m = load_model(model, threads=threads, ctx_size=window, dtype=dtype, ffn_act=ffn_act)
+    con = Console(stderr=True)
+    with Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=con, transient=True, disable=as_json) as bar:
+        task = bar.add_task("ppl", total=None)
+        res = perplexity(m, text, window, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if as_json:
+        print(json.dumps({"model": str(m.file.path), "file": str(path)} | res.as_dict()))
+        return
+    print(f"perplexity: {res.ppl:.4f} +/- {res.stderr:.4f}  ({res.tokens_scored} tokens scored in {res.windows} "
+          f"windows of {res.ctx}, {res.seconds:.1f} s)")
 
 
 def main() -> None:
