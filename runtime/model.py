@@ -96,16 +96,18 @@ class Transformer:
         self.cache.k[li, :, pos:end] = qk[:, H:].transpose(0, 1)
         self.cache.v[li, :, pos:end] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1)
         keys, values = self.cache.k[li, :, :end], self.cache.v[li, :, :end]  # (Hkv, end, D)
-        # GQA as attention over kv heads: query head h uses kv head h // group, so the `group` query heads of a
-        # kv head (for all T tokens) form one batch row: (Hkv, T*group, D).
         group = H // Hkv
         q = qk[:, :H].to(keys.dtype)
         if T == 1:
+            # decode: query head h uses kv head h // group, so the `group` heads of a kv head form one batch row
             out = F.scaled_dot_product_attention(q.view(Hkv, group, D), keys, values, scale=self.scale)
             return b.wo(out.view(1, H * D))
-        qg = q.view(T, Hkv, group, D).permute(1, 0, 2, 3).reshape(Hkv, T * group, D)
-        # causal mask for a chunk that starts at `pos`: query t sees keys 0..pos+t
-        qpos = torch.arange(pos, end).repeat_interleave(group)
-        mask = torch.arange(end)[None, :] <= qpos[:, None]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
-        return b.wo(out.view(Hkv, T, group, D).permute(1, 0, 2, 3).reshape(T, H * D))
+        # prefill: (H, T, D) queries against (Hkv, end, D) keys, kv heads shared by SDPA's GQA broadcast
+        if pos == 0:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, scale=self.scale,
+                                                 enable_gqa=group > 1)
+        else:  # a later chunk: query t (position pos + t) sees keys 0..pos+t
+            mask = torch.arange(end)[None, :] <= torch.arange(pos, end)[:, None]
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=group > 1)
+        return b.wo(out.transpose(0, 1).reshape(T, H * D))

@@ -77,10 +77,11 @@ def test_dequantised_path_matches_f32_twin(mixed_model):
     assert np.abs(a - b).max() < 1e-4
 
 
-def test_int4_kernels_match_f32_twin(mixed_model):
+@pytest.mark.parametrize("n", [13, 40])  # 13 rows: int4 kernels; 40 rows: the bf16 GEMM prefill path
+def test_int4_kernels_match_f32_twin(mixed_model, n):
     """Q4_0/Q4_1/Q8_0 stay packed (int4 kernels, bf16 activations): equal up to bf16 rounding."""
     cfg, mixed, f32, _ = mixed_model
-    ids = list(range(3, 40, 3))
+    ids = list(range(3, 3 * n + 3, 3))
     a = load_model(mixed).forward_logits(ids)
     b = load_model(f32).forward_logits(ids)
     assert np.abs(a - b).max() < 0.02 * np.abs(b).max()
