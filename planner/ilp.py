@@ -1,0 +1,456 @@
+"""The placement ILP: minimum predicted time per token (or, for comparison, PowerInfer's maximum hot mass).
+
+Per layer l, each dense part sits on exactly one device d (0 = CPU, g = GPU g):
+
+    attn_on[l, d], pred_on[l, d], out_on[d]  binary, sum over d = 1
+
+and the FFN is in exactly one mode: all on the CPU, all on GPU g, or split between GPU g and the CPU:
+
+    cpu_ffn[l] + sum_g (full[l, g] + split_mode[l, g]) = 1                  binaries
+
+GPU neurons are a prefix of the frequency-sorted order. In split mode n_split[l, g] of them carry m_split[l, g] of the
+layer's activation mass, bounded by the prefix-mass curve P_l (concave, piecewise linear over groups of --group
+neurons). Scaled by split_mode (a perspective formulation), so the LP relaxation of each layer is the convex hull of
+its choices and CBC rarely branches:
+
+    m_split <= P_l(b_k) * split_mode + s_k * (n_split - b_k * split_mode)   for every group boundary b_k, slope s_k
+    n_split <= N_l * split_mode
+
+A split layer's FFN takes max(GPU part, CPU part) (ffn_time[l] >= both); the layer pays the sync cost when it uses a
+GPU and the CPU (split[l, g] >= every "uses GPU g" + "uses the CPU" - 1). Memory: sum of parts on GPU g within its
+budget, everything else within host RAM. The paper's C_l enters as n_split >= C_l * (split_mode - attn_on - pred_on)
+(see costmodel.min_gpu_neurons).
+
+Relaxing m_split below P_l(n_split) never gains time (a prefix with the same mass or the balance point does as well
+with less VRAM), so `_polish` turns the LP's fractional counts into exact prefixes and evaluates them with
+costmodel.evaluate: the reported time is the cost model's, never the ILP's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pulp
+
+from formats.errors import PinferError
+
+from .costmodel import Evaluation, evaluate
+from .plan import CPU, Plan
+from .problem import Problem
+from .warmstart import heuristic_plan
+
+OBJECTIVES = ("time", "hot-mass")
+SOLVERS = ("cbc", "highs")
+MIB = float(1 << 20)
+US = 1e6  # the ILP counts time in microseconds and memory in MiB, keeping coefficients within a few decades
+
+
+@dataclass
+class Solution:
+    plan: Plan
+    evaluation: Evaluation
+    objective: str
+    solver: str
+    status: str  # "optimal", or "time limit" with a feasible solution
+    gap: float  # relative optimality gap of the ILP at the end (0: proven optimal)
+    ilp_value: float  # the ILP's objective: microseconds per token, or expected active GPU neurons per token
+    build_s: float
+    solve_s: float
+    n_variables: int
+    n_constraints: int
+    notes: list[str] = field(default_factory=list)
+
+
+def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: float = 30.0, gap: float = 1e-3,
+          threads: int | None = None, fixed_dense: Plan | None = None, exact_counts: bool = False) -> Solution:
+    """Build, solve and check the ILP; return the polished plan with its evaluation."""
+    if objective not in OBJECTIVES:
+        raise PinferError(f"unknown --objective '{objective}' (one of {', '.join(OBJECTIVES)})")
+    if objective == "hot-mass" and fixed_dense is None:
+        raise ValueError("the hot-mass objective places dense parts as PowerInfer does: pass fixed_dense")
+    if not p.hw.gpus:
+        plan = Plan.on_cpu(p.model.n_layer, "ilp")
+        return Solution(plan, evaluate(p, plan), objective, solver, "optimal", 0.0, 0.0, 0.0, 0.0, 0, 0,
+                        ["no GPU: everything on the CPU"])
+    t0 = time.perf_counter()
+    prob, v = build_model(p, objective, fixed_dense, exact_counts)
+    start = heuristic_plan(p) if objective == "time" and not exact_counts else None
+    if start is not None and not evaluate(p, start).fits:
+        start = None
+    if start is not None:
+        set_start(p, v, start)
+    engine = _solver(solver, time_limit, gap, threads, warm_start=start is not None)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pi-plan-") as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        if solver == "cbc":
+            engine.optionsDict["logPath"] = log_path
+        try:
+            prob.solve(engine)
+        except pulp.PulpSolverError as exc:
+            raise PinferError(f"solver {solver} failed: {exc}") from None
+        solve_s = time.perf_counter() - t0
+        bound_gap = _gap(prob, solver, log_path)
+    status = _checked_status(prob, solver, time_limit)
+    value = float(pulp.value(prob.objective) or 0.0)
+    plan = _polish(p, v, objective)
+    notes = []
+    if status != "optimal":
+        notes.append(f"{solver} stopped at the {time_limit:g} s time limit with gap {bound_gap:.2%}")
+    return Solution(plan, evaluate(p, plan), objective, solver, status, bound_gap, value, build_s, solve_s,
+                    len(prob.variables()), len(prob.constraints), notes)
+
+
+# --- the model ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Vars:
+    attn_on: dict
+    pred_on: dict
+    out_on: dict
+    cpu_ffn: dict
+    full: dict
+    split_mode: dict
+    n_split: dict
+    m_split: dict
+    ffn_time: dict
+    split: dict
+
+
+def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = None,
+                exact_counts: bool = False) -> tuple[pulp.LpProblem, Vars]:
+    m, c = p.model, p.costs
+    layers = range(m.n_layer)
+    gpus = range(1, p.n_gpus + 1)
+    devices = range(0, p.n_gpus + 1)
+    pred_layers = [l for l in layers if m.layers[l].has_predictor]
+    N = {l: m.layers[l].n_ff for l in layers}
+    M = {l: float(p.prefix[l][-1]) for l in layers}
+    lg = [(l, g) for l in layers for g in gpus]
+
+    sense = pulp.LpMinimize if objective == "time" else pulp.LpMaximize
+    prob = pulp.LpProblem("placement", sense)
+    attn_on = pulp.LpVariable.dicts("attn_on", [(l, d) for l in layers for d in devices], cat="Binary")
+    pred_on = pulp.LpVariable.dicts("pred_on", [(l, d) for l in pred_layers for d in devices], cat="Binary")
+    out_on = pulp.LpVariable.dicts("out_on", devices, cat="Binary")
+    cpu_ffn = pulp.LpVariable.dicts("cpu_ffn", layers, cat="Binary")
+    full = pulp.LpVariable.dicts("full", lg, cat="Binary")
+    split_mode = pulp.LpVariable.dicts("split_mode", lg, cat="Binary")
+    n_split = {(l, g): pulp.LpVariable(f"n_split_{l}_{g}", 0, N[l], "Integer" if exact_counts else "Continuous")
+               for l, g in lg}
+    m_split = {(l, g): pulp.LpVariable(f"m_split_{l}_{g}", 0, M[l]) for l, g in lg}
+    ffn_time = pulp.LpVariable.dicts("ffn_time", layers, lowBound=0)
+    split = pulp.LpVariable.dicts("split", lg, lowBound=0, upBound=1)  # integral at the optimum: max of binaries
+
+    if fixed_dense is not None:  # PowerInfer places dense parts greedily before its solve
+        for l in layers:
+            for d in devices:
+                _fix(attn_on[l, d], fixed_dense.attn[l] == d)
+                if l in pred_layers:
+                    _fix(pred_on[l, d], fixed_dense.pred[l] == d)
+        for d in devices:
+            _fix(out_on[d], fixed_dense.output == d)
+
+    # Each part on exactly one device, each FFN in exactly one mode.
+    for l in layers:
+        prob += pulp.lpSum(attn_on[l, d] for d in devices) == 1, f"attn_placed_{l}"
+        if l in pred_layers:
+            prob += pulp.lpSum(pred_on[l, d] for d in devices) == 1, f"pred_placed_{l}"
+        prob += cpu_ffn[l] + pulp.lpSum(full[l, g] + split_mode[l, g] for g in gpus) == 1, f"ffn_mode_{l}"
+    prob += pulp.lpSum(out_on[d] for d in devices) == 1, "output_placed"
+
+    # Several GPUs: a layer's GPU parts share one GPU (as llama.cpp splits layers), so a split costs one sync.
+    if p.n_gpus > 1:
+        layer_on = pulp.LpVariable.dicts("layer_on", lg, cat="Binary")
+        for l in layers:
+            prob += pulp.lpSum(layer_on[l, g] for g in gpus) <= 1, f"one_gpu_{l}"
+            for g in gpus:
+                prob += attn_on[l, g] <= layer_on[l, g], f"attn_gpu_{l}_{g}"
+                if l in pred_layers:
+                    prob += pred_on[l, g] <= layer_on[l, g], f"pred_gpu_{l}_{g}"
+                prob += full[l, g] + split_mode[l, g] <= layer_on[l, g], f"ffn_gpu_{l}_{g}"
+
+    # Split mode: the GPU holds a prefix of the hottest neurons, at most all of them.
+    for l, g in lg:
+        prob += n_split[l, g] <= N[l] * split_mode[l, g], f"split_neurons_{l}_{g}"
+    for l in layers:
+        _prefix_rows(prob, l, [(m_split[l, g], n_split[l, g], split_mode[l, g]) for g in gpus], p.prefix[l], p.group)
+
+    # The paper's per-layer minimum (a valid cut here, see costmodel.min_gpu_neurons).
+    if objective == "time":
+        for l, g in lg:
+            c_min = int(p.c_min[l, g])
+            if c_min > 0:
+                on_gpu = attn_on[l, g] + (pred_on[l, g] if l in pred_layers else 0)
+                prob += n_split[l, g] >= c_min * (split_mode[l, g] - on_gpu), f"min_gpu_neurons_{l}_{g}"
+
+    # A split FFN takes as long as the slower of its halves.
+    for l in layers:
+        cpu_all = c.ffn_dispatch[CPU] + N[l] * c.dense[l, CPU] + M[l] * c.sparse[l, CPU]
+        prob += ffn_time[l] >= US * pulp.lpSum(
+            c.ffn_dispatch[g] * split_mode[l, g] + c.dense[l, g] * n_split[l, g] + c.sparse[l, g] * m_split[l, g]
+            for g in gpus), f"ffn_gpu_time_{l}"
+        prob += ffn_time[l] >= US * pulp.lpSum(
+            cpu_all * split_mode[l, g] - c.dense[l, CPU] * n_split[l, g] - c.sparse[l, CPU] * m_split[l, g]
+            for g in gpus), f"ffn_cpu_time_{l}"
+
+    # A layer that uses GPU g and the CPU is split: any part on g together with any part on the CPU.
+    for l, g in lg:
+        uses_gpu = {"attn": attn_on[l, g], "ffn": full[l, g] + split_mode[l, g]}
+        uses_cpu = {"attn": attn_on[l, CPU], "ffn": cpu_ffn[l] + pulp.lpSum(split_mode[l, h] for h in gpus)}
+        if l in pred_layers:
+            uses_gpu["pred"] = pred_on[l, g]
+            uses_cpu["pred"] = pred_on[l, CPU]
+        for a, on_gpu in uses_gpu.items():
+            for b, on_cpu in uses_cpu.items():
+                if a != b or a == "ffn":
+                    prob += split[l, g] >= on_gpu + on_cpu - 1, f"split_{l}_{g}_{a}_{b}"
+
+    # Memory, in MiB.
+    for g in gpus:
+        prob += pulp.lpSum(
+            (m.layers[l].attn + m.layers[l].kv) / MIB * attn_on[l, g]
+            + m.layers[l].neuron / MIB * (n_split[l, g] + N[l] * full[l, g]) for l in layers) + pulp.lpSum(
+            m.layers[l].pred / MIB * pred_on[l, g] for l in pred_layers) + m.output / MIB * out_on[g] \
+            <= p.budgets[g - 1] / MIB, f"vram_{g}"
+    prob += pulp.lpSum(
+        (m.layers[l].attn + m.layers[l].kv) / MIB * attn_on[l, CPU]
+        + m.layers[l].neuron / MIB * (N[l] * cpu_ffn[l] + pulp.lpSum(N[l] * split_mode[l, g] - n_split[l, g]
+                                                                     for g in gpus)) for l in layers) + pulp.lpSum(
+        m.layers[l].pred / MIB * pred_on[l, CPU] for l in pred_layers) + m.output / MIB * out_on[CPU] \
+        <= p.host_budget / MIB, "host_ram"
+
+    if objective == "time":
+        prob += US * (
+            pulp.lpSum(c.attn[l, d] * attn_on[l, d] for l in layers for d in devices)
+            + pulp.lpSum(c.pred[l, d] * pred_on[l, d] for l in pred_layers for d in devices)
+            + pulp.lpSum(c.output[d] * out_on[d] for d in devices)
+            + pulp.lpSum((c.ffn_dispatch[CPU] + N[l] * c.dense[l, CPU] + M[l] * c.sparse[l, CPU]) * cpu_ffn[l]
+                         for l in layers)
+            + pulp.lpSum((c.ffn_dispatch[g] + N[l] * c.dense[l, g] + M[l] * c.sparse[l, g]) * full[l, g]
+                         for l, g in lg)
+            + pulp.lpSum(c.sync[l, g] * split[l, g] for l, g in lg)) + pulp.lpSum(ffn_time[l] for l in layers)
+    else:
+        prob += pulp.lpSum(m_split[l, g] + M[l] * full[l, g] for l, g in lg)
+    return prob, Vars(attn_on, pred_on, out_on, cpu_ffn, full, split_mode, n_split, m_split, ffn_time, split)
+
+
+def _prefix_rows(prob: pulp.LpProblem, l: int, per_gpu: list, prefix: np.ndarray, group: int) -> None:
+    """m <= P(b_k) z + s_k (n - b_k z) for each group k, summed over GPUs (only one can be in split mode).
+
+    Written without PuLP's operator overloading: a 70B model has 80 x 448 of these rows, which take 2 s to build
+    through expressions and 0.5 s directly. Consecutive groups of equal slope share a row.
+    """
+    n_ff = len(prefix) - 1
+    bounds = np.append(np.arange(0, n_ff, group), n_ff)
+    pb = prefix[bounds]
+    slopes = np.diff(pb) / np.diff(bounds)
+    last = None
+    for k, s in enumerate(slopes):
+        if last is not None and abs(s - last) <= 1e-12 * max(abs(last), 1e-30):
+            continue
+        last = s
+        terms = []
+        for m_var, n_var, z_var in per_gpu:
+            terms += [(m_var, 1.0), (n_var, -float(s)), (z_var, float(s * bounds[k] - pb[k]))]
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"prefix_{l}_{k}",
+                                             0.0))
+
+
+def set_start(p: Problem, v: Vars, plan: Plan) -> None:
+    """Give every variable its value under `plan` (an integer solution for CBC to start from)."""
+    m, c = p.model, p.costs
+    J = p.n_gpus
+    for var in (*v.attn_on.values(), *v.pred_on.values(), *v.out_on.values(), *v.cpu_ffn.values(),
+                *v.full.values(), *v.split_mode.values(), *v.n_split.values(), *v.m_split.values(),
+                *v.ffn_time.values(), *v.split.values()):
+        var.setInitialValue(0)
+    v.out_on[plan.output].setInitialValue(1)
+    for l, lb in enumerate(m.layers):
+        N, k, g = lb.n_ff, int(plan.n_gpu[l]), int(plan.ffn_gpu[l])
+        v.attn_on[l, int(plan.attn[l])].setInitialValue(1)
+        if (l, 0) in v.pred_on:
+            v.pred_on[l, int(plan.pred[l])].setInitialValue(1)
+        used = {int(plan.attn[l])} | ({int(plan.pred[l])} if lb.has_predictor else set())
+        if k == 0:
+            v.cpu_ffn[l].setInitialValue(1)
+            used.add(CPU)
+        elif k == N:
+            v.full[l, g].setInitialValue(1)
+            used.add(g)
+        else:
+            bounds = np.append(np.arange(0, N, p.group), N)
+            mass = float(np.interp(k, bounds, p.prefix[l][bounds]))  # the ILP's prefix curve, below the true one
+            v.split_mode[l, g].setInitialValue(1)
+            v.n_split[l, g].setInitialValue(k)
+            v.m_split[l, g].setInitialValue(mass)
+            gpu = c.ffn_dispatch[g] + k * c.dense[l, g] + mass * c.sparse[l, g]
+            cpu = c.ffn_dispatch[CPU] + (N - k) * c.dense[l, CPU] + (p.prefix[l][-1] - mass) * c.sparse[l, CPU]
+            v.ffn_time[l].setInitialValue(US * max(gpu, cpu))
+            used |= {g, CPU}
+        for h in range(1, J + 1):
+            if h in used and CPU in used:
+                v.split[l, h].setInitialValue(1)
+
+
+def _fix(var: pulp.LpVariable, value: bool) -> None:
+    var.lowBound = var.upBound = int(bool(value))
+
+
+# --- solvers ------------------------------------------------------------------------------------------------------
+
+def solver_available(name: str) -> bool:
+    try:
+        return bool(_make_solver(name, 1.0, 1e-3, 1).available())
+    except PinferError:
+        return False
+
+
+def _make_solver(name: str, time_limit: float, gap: float, threads: int, warm_start: bool = False):
+    if name == "cbc":
+        # Preprocessing only strengthens the prefix rows, which the perspective form already makes tight. With a
+        # heuristic start the root LP usually closes the gap at once; CBC's own heuristics and cuts would then spend
+        # seconds on tens of thousands of rows for nothing (it still branches if the gap stays open).
+        options = ["preprocess off"] + (["heur off", "cuts off"] if warm_start else [])
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads, options=options,
+                                 warmStart=warm_start)
+    if name == "highs":
+        return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
+    raise PinferError(f"unknown --solver '{name}' (one of {', '.join(SOLVERS)})")
+
+
+def _solver(name: str, time_limit: float, gap: float, threads: int | None, warm_start: bool = False):
+    if time_limit <= 0:
+        raise PinferError(f"--time-limit must be positive, got {time_limit}")
+    if not 0 <= gap < 1:
+        raise PinferError(f"--gap is a fraction in [0, 1), got {gap}")
+    engine = _make_solver(name, time_limit, gap, threads or min(os.cpu_count() or 1, 8), warm_start)
+    if not engine.available():
+        hint = ("install highspy (pip install 'pinfer[solvers]') or use --solver cbc" if name == "highs"
+                else "reinstall pulp, which bundles CBC, or install highspy and use --solver highs")
+        raise PinferError(f"solver '{name}' is not available; {hint}")
+    return engine
+
+
+def _checked_status(prob: pulp.LpProblem, solver: str, time_limit: float) -> str:
+    """Never use a result that is not a feasible integer solution."""
+    if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+        raise PinferError("infeasible: no placement fits the VRAM budget(s) and host RAM (parts cannot be split "
+                          "finely enough); raise --vram-budget or --host-ram, or lower --ctx-size")
+    if prob.sol_status == pulp.LpSolutionOptimal and prob.status == pulp.LpStatusOptimal:
+        return "optimal"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "time limit"
+    raise PinferError(f"{solver} found no solution within {time_limit:g} s (status "
+                      f"{pulp.LpStatus.get(prob.status, prob.status)}); raise --time-limit or a coarser --group")
+
+
+def _gap(prob: pulp.LpProblem, solver: str, log_path: str) -> float:
+    """Relative gap between the best solution and the best bound, as the solver reported them."""
+    if solver == "highs":
+        info = prob.solverModel.getInfo()
+        return float(max(info.mip_gap, 0.0)) if math.isfinite(info.mip_gap) else 0.0
+    try:
+        log = open(log_path).read()
+    except OSError:
+        return 0.0
+    obj = re.search(r"^Objective value:\s+(\S+)", log, re.M)
+    bound = re.search(r"^Lower bound:\s+(\S+)", log, re.M)
+    if not obj or not bound:
+        return 0.0  # "Optimal solution found" without a bound line: proven optimal
+    o, b = float(obj.group(1)), float(bound.group(1))
+    return abs(o - b) / max(abs(o), 1e-9)
+
+
+# --- from LP values to an exact plan -------------------------------------------------------------------------------
+
+def _val(var) -> float:
+    x = var.value() if hasattr(var, "value") else var
+    return float(x or 0.0)
+
+
+def _polish(p: Problem, v: Vars, objective: str) -> Plan:
+    """Exact prefixes from the ILP's values: per split layer, the best neuron count within the VRAM it was given."""
+    m, c = p.model, p.costs
+    L, J = m.n_layer, p.n_gpus
+    attn = np.array([max(range(J + 1), key=lambda d: _val(v.attn_on[l, d])) for l in range(L)], dtype=np.uint8)
+    pred = np.array([max(range(J + 1), key=lambda d: _val(v.pred_on[l, d])) if (l, 0) in v.pred_on else 0
+                     for l in range(L)], dtype=np.uint8)
+    out = max(range(J + 1), key=lambda d: _val(v.out_on[d]))
+    ffn_gpu = np.zeros(L, dtype=np.uint8)
+    n_gpu = np.zeros(L, dtype=np.int64)
+    for l in range(L):
+        N = m.layers[l].n_ff
+        for g in range(1, J + 1):
+            if _val(v.full[l, g]) > 0.5:
+                ffn_gpu[l], n_gpu[l] = g, N
+            elif _val(v.split_mode[l, g]) > 0.5:
+                k_max = min(int(math.floor(_val(v.n_split[l, g]) + 1e-6)), N)
+                ffn_gpu[l] = g
+                n_gpu[l] = k_max if objective == "hot-mass" else _best_count(p, l, attn[l], pred[l], g, k_max)
+    plan = Plan("ilp" if objective == "time" else "ilp-hot-mass", attn, pred, ffn_gpu, n_gpu, out)
+    return _repair(p, plan)
+
+
+def _layer_times(p: Problem, l: int, a: int, pr: int, g: int, ks: np.ndarray) -> np.ndarray:
+    """Exact time of layer l's FFN plus sync for each GPU-neuron count in ks (dense parts fixed)."""
+    c, lb = p.costs, p.model.layers[l]
+    N, pre = lb.n_ff, p.prefix[l]
+    mass = pre[ks]
+    gpu = np.where(ks > 0, c.ffn_dispatch[g] + ks * c.dense[l, g] + mass * c.sparse[l, g], 0.0)
+    cpu = np.where(ks < N, c.ffn_dispatch[CPU] + (N - ks) * c.dense[l, CPU] + (pre[-1] - mass) * c.sparse[l, CPU],
+                   0.0)
+    dense_devs = {a} | ({pr} if lb.has_predictor else set())
+    out = np.maximum(gpu, cpu)
+    for i, k in enumerate(ks):
+        used = dense_devs | ({g} if k > 0 else set()) | ({CPU} if k < N else set())
+        if len(used) > 1:
+            out[i] += c.sync[l, max(used)]
+    return out
+
+
+def _best_count(p: Problem, l: int, a: int, pr: int, g: int, k_max: int) -> int:
+    ks = np.arange(k_max + 1)
+    t = _layer_times(p, l, a, pr, g, ks)
+    return int(ks[np.argmin(t)])  # first minimum: fewest neurons among equals
+
+
+def _repair(p: Problem, plan: Plan) -> Plan:
+    """Take neurons back from layers until every GPU is within budget by exact byte counts (rounding can leave a
+    neuron too many). Each step drops the neuron whose removal costs the least time."""
+    m = p.model
+    for g in range(1, p.n_gpus + 1):
+        while True:
+            used = _gpu_bytes(p, plan, g)
+            if used <= p.budgets[g - 1]:
+                break
+            best, best_cost = None, math.inf
+            for l in np.nonzero((plan.ffn_gpu == g) & (plan.n_gpu > 0))[0]:
+                k = int(plan.n_gpu[l])
+                t = _layer_times(p, l, plan.attn[l], plan.pred[l], g, np.array([k - 1, k]))
+                if t[0] - t[1] < best_cost:
+                    best, best_cost = l, t[0] - t[1]
+            if best is None:
+                raise PinferError(f"internal: plan over budget on GPU {g} with no neurons to take back")
+            step = max(1, int((used - p.budgets[g - 1]) // max(m.layers[best].neuron, 1)))
+            plan.n_gpu[best] = max(int(plan.n_gpu[best]) - step, 0)
+            if plan.n_gpu[best] == 0:
+                plan.ffn_gpu[best] = CPU
+    return plan
+
+
+def _gpu_bytes(p: Problem, plan: Plan, g: int) -> int:
+    m = p.model
+    total = m.output if plan.output == g else 0
+    for l, lb in enumerate(m.layers):
+        total += (lb.attn + lb.kv) * (plan.attn[l] == g) + lb.pred * (plan.pred[l] == g)
+        if plan.ffn_gpu[l] == g:
+            total += int(lb.neuron_bytes(plan.n_gpu[l]))
+    return int(total)
