@@ -87,13 +87,20 @@ def bench_decode(layers, fracs, reps, warmup, T=1) -> list[dict]:
             if rep >= warmup:
                 times[f"sparse@{f:g}"].append(dt)
     dense = statistics.median(times["dense"])
-    rows = [dict(case="dense", active=1.0, ms=dense * 1e3, speedup=1.0, gbs=3 * n_ff * d * es / dense / 1e9)]
+    rows = [dict(case="dense", active=1.0, ms=dense * 1e3, p10_ms=_p10(times["dense"]) * 1e3, speedup=1.0,
+                 paired_speedup=1.0, gbs=3 * n_ff * d * es / dense / 1e9)]
     for f in fracs:
-        m = statistics.median(times[f"sparse@{f:g}"])
+        ts = times[f"sparse@{f:g}"]
+        m = statistics.median(ts)
         k = int(round(f * n_ff))
-        rows.append(dict(case="sparse", active=f, ms=m * 1e3, speedup=dense / m, gbs=3 * k * d * es / m / 1e9,
-                         ideal_speedup=1 / f))
+        paired = statistics.median(a / b for a, b in zip(times["dense"], ts, strict=True))
+        rows.append(dict(case="sparse", active=f, ms=m * 1e3, p10_ms=_p10(ts) * 1e3, speedup=dense / m,
+                         paired_speedup=paired, gbs=3 * k * d * es / m / 1e9, ideal_speedup=1 / f))
     return rows
+
+
+def _p10(ts: list[float]) -> float:
+    return sorted(ts)[len(ts) // 10]
 
 
 def bench_layouts(d, n_ff, frac, reps, warmup, min_bytes) -> list[dict]:
@@ -213,11 +220,12 @@ def main() -> int:
           f"medians; stream read bound {result['stream_gbs']:.1f} GB/s; load avg {result['load_avg'][0]:.2f}")
     for name, r in result["decode"].items():
         print(f"\n{name}, T={args.decode_t}, {r['layer_copies']} layer copies")
-        print(f"{'case':>8} {'active':>7} {'ms':>8} {'speed-up':>9} {'ideal':>6} {'GB/s':>6}")
+        print(f"{'case':>8} {'active':>7} {'median ms':>10} {'p10 ms':>8} {'speed-up':>9} {'paired':>7} "
+              f"{'ideal':>6} {'GB/s':>6}")
         for row in r["rows"]:
             ideal = f"{row['ideal_speedup']:.1f}" if "ideal_speedup" in row else ""
-            print(f"{row['case']:>8} {row['active']:>7.0%} {row['ms']:>8.2f} {row['speedup']:>8.2f}x {ideal:>6} "
-                  f"{row['gbs']:>6.1f}")
+            print(f"{row['case']:>8} {row['active']:>7.0%} {row['ms']:>10.2f} {row['p10_ms']:>8.2f} "
+                  f"{row['speedup']:>8.2f}x {row['paired_speedup']:>6.2f}x {ideal:>6} {row['gbs']:>6.1f}")
     if "layouts" in result:
         print("\nlayouts (fp32, T=1)")
         for row in result["layouts"]:

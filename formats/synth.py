@@ -66,6 +66,7 @@ TAIL_TOKENS = 10  # fewer calibration tokens than this on one side of a threshol
 EMBED_U = 1.0  # c = EMBED_U * sqrt(n_embd): the constant component is as large as the random part of an embedding
 ATTN_RMS = 0.3  # RMS of each attention output, relative to the RMS of the embeddings' random part
 FFN_RMS = 0.5  # RMS of each FFN output, same reference
+SCALE_TOKENS = 512  # tokens used to set the RMS of attention and FFN outputs
 OUTPUT_CALIB_TOKENS = 512  # tokens used to scale the output matrix and measure the top-1 probability
 NORM_JITTER = 0.1  # norm weights are 1 + NORM_JITTER * N(0, 1), so that a runtime ignoring them fails the golden test
 
@@ -95,7 +96,7 @@ class SynthSpec:
     n_ctx: int = 2048
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    calib_tokens: int = 4096  # tokens of random sequences used to calibrate each layer
+    calib_tokens: int = 2048  # tokens of random sequences used to calibrate each layer
     calib_seq_len: int = 128
     logit_std: float = 6.5
     name: str = ""
@@ -186,8 +187,9 @@ def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
-def attention(xn: torch.Tensor, wq, wk, wv, wo, n_head: int, n_head_kv: int, base: float) -> torch.Tensor:
-    """Causal GQA self-attention over whole sequences. xn: (B, S, d) normalised input; weights in GGUF numpy shape."""
+def attention_heads(xn: torch.Tensor, wq, wk, wv, n_head: int, n_head_kv: int, base: float) -> torch.Tensor:
+    """Causal GQA self-attention over whole sequences, before the output projection: (B, S, n_head * hd).
+    xn: (B, S, d) normalised input; weights in GGUF numpy shape."""
     B, S, _ = xn.shape
     hd = wq.shape[0] // n_head
     pos = torch.arange(S)
@@ -198,12 +200,19 @@ def attention(xn: torch.Tensor, wq, wk, wv, wo, n_head: int, n_head_kv: int, bas
         k = k.repeat_interleave(n_head // n_head_kv, dim=1)
         v = v.repeat_interleave(n_head // n_head_kv, dim=1)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, S, hd)
-    return o.transpose(1, 2).reshape(B, S, n_head * hd) @ wo.T
+    return o.transpose(1, 2).reshape(B, S, n_head * hd)
+
+
+def attention(xn: torch.Tensor, wq, wk, wv, wo, n_head: int, n_head_kv: int, base: float) -> torch.Tensor:
+    return attention_heads(xn, wq, wk, wv, n_head, n_head_kv, base) @ wo.T
 
 
 def ffn_hidden(xn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     """The FFN's hidden activations h (..., n_ff); the FFN output is h @ down_t."""
-    g, u = xn @ gate.T, xn @ up.T
+    return activate(xn @ gate.T, xn @ up.T, act)
+
+
+def activate(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
     if act == "relu":
         return F.relu(g) * u
     if act == "drelu":
@@ -354,10 +363,11 @@ def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthRe
         wk = b.rounded(b.randn(nkv * hd, d, std=d ** -0.5))
         wv = b.rounded(b.randn(nkv * hd, d, std=d ** -0.5))
         wo = b.perp(b.randn(d, nh * hd, std=(nh * hd) ** -0.5).T.contiguous()).T  # columns ⊥ u: o ⊥ u
-        xn = rms_norm(x, attn_norm, eps)
-        o = attention(xn, wq, wk, wv, wo, nh, nkv, spec.rope_base)
-        wo = b.rounded(wo * (ATTN_RMS * ref_rms / o.pow(2).mean().sqrt()))
-        x = x + attention(xn, wq, wk, wv, wo, nh, nkv, spec.rope_base)
+        heads = attention_heads(rms_norm(x, attn_norm, eps), wq, wk, wv, nh, nkv, spec.rope_base)
+        sub = heads.reshape(-1, nh * hd)[:SCALE_TOKENS]
+        wo = b.rounded(wo * (ATTN_RMS * ref_rms / (sub @ wo.T).pow(2).mean().sqrt()))
+        x = x + heads @ wo.T
+        del heads, sub
 
         # FFN: calibrate gate (and for dReLU up) thresholds on this layer's actual inputs.
         ffn_norm = b.norm_weight()
@@ -367,26 +377,23 @@ def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthRe
             raise RuntimeError("synth: constant direction lost its sign through the norm; lower NORM_JITTER")
         f = torch.from_numpy(target[bid])
         up = b.perp(b.randn(n_ff, d, std=d ** -0.5))
-        can_fire = None
         if spec.variant == "drelu":
-            y_up = (xn @ up.T) / s[:, None]
-            theta_up = _thresholds(y_up, f.sqrt())
-            up = b.rounded(up.sub_(torch.outer(theta_up, b.u)))
-            can_fire = (xn @ up.T) > 0
-            del y_up
-        else:
-            up = b.rounded(up)
+            theta_up = _thresholds((xn @ up.T).div_(s[:, None]), f.sqrt())
+            up.sub_(torch.outer(theta_up, b.u))
+        up = b.rounded(up)
+        up_x = xn @ up.T  # (N, n_ff) up pre-activations with the stored weights
         g = b.perp(b.randn(n_ff, d, std=d ** -0.5))
-        y = (xn @ g.T) / s[:, None]  # (N, n_ff)
-        if can_fire is not None:
-            y = torch.where(can_fire, y, torch.full((), -math.inf))
+        y = (xn @ g.T).div_(s[:, None])  # (N, n_ff)
+        if spec.variant == "drelu":  # only tokens whose up is positive can fire
+            y.masked_fill_(up_x <= 0, -math.inf)
         theta = _thresholds(y, f)
         del y
         gate = b.rounded(g.sub_(torch.outer(theta, b.u)))
-        h = ffn_hidden(xn, gate, up, spec.variant)
+        h = activate(xn @ gate.T, up_x, spec.variant)
+        del up_x
         calib[bid] = (h != 0).float().mean(0).numpy()
         down_t = b.perp(b.randn(n_ff, d, std=n_ff ** -0.5))
-        y_ffn = h @ down_t
+        y_ffn = h[:SCALE_TOKENS] @ down_t
         down_t = b.rounded(down_t.mul_(FFN_RMS * ref_rms / y_ffn.pow(2).mean().sqrt()))
         x = x + (h @ down_t).view_as(x)
         del h, y_ffn
@@ -523,7 +530,7 @@ def cli(
     skew: Annotated[float, typer.Option(help="power-law exponent of neuron frequencies over rank")] = 1.0,
     variant: Annotated[str, typer.Option(help="relu (ReGLU, arch llama) | drelu (arch bamboo)")] = "relu",
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
-    calib_tokens: Annotated[int, typer.Option(help="calibration tokens per layer")] = 4096,
+    calib_tokens: Annotated[int, typer.Option(help="calibration tokens per layer")] = 2048,
     logit_std: Annotated[float, typer.Option(help="std of the logits across the vocabulary")] = 6.5,
     verbose: Annotated[bool, typer.Option(help="tracebacks on errors")] = False,
 ):
