@@ -33,6 +33,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,7 +69,7 @@ class Solution:
 
 
 def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: float = 30.0, gap: float = 1e-3,
-          threads: int | None = None, fixed_dense: Plan | None = None, exact_counts: bool = False) -> Solution:
+          threads: int | None = None, fixed_dense: Plan | None = None, exact: bool = False) -> Solution:
     """Build, solve and check the ILP; return the polished plan with its evaluation."""
     if objective not in OBJECTIVES:
         raise PinferError(f"unknown --objective '{objective}' (one of {', '.join(OBJECTIVES)})")
@@ -79,8 +80,8 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
         return Solution(plan, evaluate(p, plan), objective, solver, "optimal", 0.0, 0.0, 0.0, 0.0, 0, 0,
                         ["no GPU: everything on the CPU"])
     t0 = time.perf_counter()
-    prob, v = build_model(p, objective, fixed_dense, exact_counts)
-    start = heuristic_plan(p) if objective == "time" and not exact_counts else None
+    prob, v = build_model(p, objective, fixed_dense, exact)
+    start = heuristic_plan(p) if objective == "time" and not exact else None
     if start is not None and not evaluate(p, start).fits:
         start = None
     if start is not None:
@@ -105,7 +106,7 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
     if status != "optimal":
         notes.append(f"{solver} stopped at the {time_limit:g} s time limit with gap {bound_gap:.2%}")
     return Solution(plan, evaluate(p, plan), objective, solver, status, bound_gap, value, build_s, solve_s,
-                    len(prob.variables()), len(prob.constraints), notes)
+                    len(prob.variables()), prob.numConstraints(), notes)
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class Vars:
 
 
 def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = None,
-                exact_counts: bool = False) -> tuple[pulp.LpProblem, Vars]:
+                exact: bool = False) -> tuple[pulp.LpProblem, Vars]:
     m, c = p.model, p.costs
     layers = range(m.n_layer)
     gpus = range(1, p.n_gpus + 1)
@@ -137,17 +138,16 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
 
     sense = pulp.LpMinimize if objective == "time" else pulp.LpMaximize
     prob = pulp.LpProblem("placement", sense)
-    attn_on = pulp.LpVariable.dicts("attn_on", [(l, d) for l in layers for d in devices], cat="Binary")
-    pred_on = pulp.LpVariable.dicts("pred_on", [(l, d) for l in pred_layers for d in devices], cat="Binary")
-    out_on = pulp.LpVariable.dicts("out_on", devices, cat="Binary")
-    cpu_ffn = pulp.LpVariable.dicts("cpu_ffn", layers, cat="Binary")
-    full = pulp.LpVariable.dicts("full", lg, cat="Binary")
-    split_mode = pulp.LpVariable.dicts("split_mode", lg, cat="Binary")
-    n_split = {(l, g): pulp.LpVariable(f"n_split_{l}_{g}", 0, N[l], "Integer" if exact_counts else "Continuous")
-               for l, g in lg}
-    m_split = {(l, g): pulp.LpVariable(f"m_split_{l}_{g}", 0, M[l]) for l, g in lg}
-    ffn_time = pulp.LpVariable.dicts("ffn_time", layers, lowBound=0)
-    split = pulp.LpVariable.dicts("split", lg, lowBound=0, upBound=1)  # integral at the optimum: max of binaries
+    attn_on = prob.add_variable_dicts("attn_on", [(l, d) for l in layers for d in devices], cat="Binary")
+    pred_on = prob.add_variable_dicts("pred_on", [(l, d) for l in pred_layers for d in devices], cat="Binary")
+    out_on = prob.add_variable_dicts("out_on", devices, cat="Binary")
+    cpu_ffn = prob.add_variable_dicts("cpu_ffn", layers, cat="Binary")
+    full = prob.add_variable_dicts("full", lg, cat="Binary")
+    split_mode = prob.add_variable_dicts("split_mode", lg, cat="Binary")
+    n_split = {(l, g): prob.add_variable(f"n_split_{l}_{g}", 0, N[l]) for l, g in lg}
+    m_split = {(l, g): prob.add_variable(f"m_split_{l}_{g}", 0, M[l]) for l, g in lg}
+    ffn_time = prob.add_variable_dicts("ffn_time", layers, lowBound=0)
+    split = prob.add_variable_dicts("split", lg, lowBound=0, upBound=1)  # integral at the optimum: max of binaries
 
     if fixed_dense is not None:  # PowerInfer places dense parts greedily before its solve
         for l in layers:
@@ -168,7 +168,7 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
 
     # Several GPUs: a layer's GPU parts share one GPU (as llama.cpp splits layers), so a split costs one sync.
     if p.n_gpus > 1:
-        layer_on = pulp.LpVariable.dicts("layer_on", lg, cat="Binary")
+        layer_on = prob.add_variable_dicts("layer_on", lg, cat="Binary")
         for l in layers:
             prob += pulp.lpSum(layer_on[l, g] for g in gpus) <= 1, f"one_gpu_{l}"
             for g in gpus:
@@ -181,7 +181,11 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
     for l, g in lg:
         prob += n_split[l, g] <= N[l] * split_mode[l, g], f"split_neurons_{l}_{g}"
     for l in layers:
-        _prefix_rows(prob, l, [(m_split[l, g], n_split[l, g], split_mode[l, g]) for g in gpus], p.prefix[l], p.group)
+        if exact:
+            _prefix_groups(prob, l, gpus, n_split, m_split, split_mode, p.prefix[l], p.group)
+        else:
+            _prefix_rows(prob, l, [(m_split[l, g], n_split[l, g], split_mode[l, g]) for g in gpus], p.prefix[l],
+                         p.group)
 
     # The paper's per-layer minimum (a valid cut here, see costmodel.min_gpu_neurons).
     if objective == "time":
@@ -300,6 +304,20 @@ def set_start(p: Problem, v: Vars, plan: Plan) -> None:
                 v.split[l, h].setInitialValue(1)
 
 
+def _prefix_groups(prob, l, gpus, n_split, m_split, split_mode, prefix: np.ndarray, group: int) -> None:
+    """Exact variant: a binary per group, in prefix order, so counts and masses are exactly those of whole groups.
+    Tens of thousands of binaries on a 70B model: for small models and for checking the relaxation."""
+    n_ff = len(prefix) - 1
+    bounds = np.append(np.arange(0, n_ff, group), n_ff)
+    sizes, masses = np.diff(bounds), np.diff(prefix[bounds])
+    for g in gpus:
+        on = prob.add_variable_dicts(f"group_on_{l}_{g}", range(len(sizes)), cat="Binary")
+        for k in range(len(sizes)):
+            prob += on[k] <= (on[k - 1] if k else split_mode[l, g]), f"group_order_{l}_{g}_{k}"
+        prob += n_split[l, g] == pulp.lpSum(int(sizes[k]) * on[k] for k in on), f"group_count_{l}_{g}"
+        prob += m_split[l, g] == pulp.lpSum(float(masses[k]) * on[k] for k in on), f"group_mass_{l}_{g}"
+
+
 def _fix(var: pulp.LpVariable, value: bool) -> None:
     var.lowBound = var.upBound = int(bool(value))
 
@@ -319,8 +337,10 @@ def _make_solver(name: str, time_limit: float, gap: float, threads: int, warm_st
         # heuristic start the root LP usually closes the gap at once; CBC's own heuristics and cuts would then spend
         # seconds on tens of thousands of rows for nothing (it still branches if the gap stays open).
         options = ["preprocess off"] + (["heur off", "cuts off"] if warm_start else [])
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads, options=options,
-                                 warmStart=warm_start)
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC in favour of pulp[cbc] in 4.0
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads,
+                                     options=options, warmStart=warm_start)
     if name == "highs":
         return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
     raise PinferError(f"unknown --solver '{name}' (one of {', '.join(SOLVERS)})")
@@ -377,26 +397,41 @@ def _val(var) -> float:
 
 
 def _polish(p: Problem, v: Vars, objective: str) -> Plan:
-    """Exact prefixes from the ILP's values: per split layer, the best neuron count within the VRAM it was given."""
-    m, c = p.model, p.costs
+    """Exact prefixes from the ILP's values: per split layer the best whole-neuron count within the VRAM the ILP
+    gave it, plus whatever VRAM the rounding left free on its GPU."""
+    m = p.model
     L, J = m.n_layer, p.n_gpus
     attn = np.array([max(range(J + 1), key=lambda d: _val(v.attn_on[l, d])) for l in range(L)], dtype=np.uint8)
     pred = np.array([max(range(J + 1), key=lambda d: _val(v.pred_on[l, d])) if (l, 0) in v.pred_on else 0
                      for l in range(L)], dtype=np.uint8)
     out = max(range(J + 1), key=lambda d: _val(v.out_on[d]))
-    ffn_gpu = np.zeros(L, dtype=np.uint8)
+    ffn_gpu = np.zeros(L, dtype=np.int64)
     n_gpu = np.zeros(L, dtype=np.int64)
+    split_layers = []
     for l in range(L):
-        N = m.layers[l].n_ff
         for g in range(1, J + 1):
             if _val(v.full[l, g]) > 0.5:
-                ffn_gpu[l], n_gpu[l] = g, N
+                ffn_gpu[l], n_gpu[l] = g, m.layers[l].n_ff
             elif _val(v.split_mode[l, g]) > 0.5:
-                k_max = min(int(math.floor(_val(v.n_split[l, g]) + 1e-6)), N)
                 ffn_gpu[l] = g
-                n_gpu[l] = k_max if objective == "hot-mass" else _best_count(p, l, attn[l], pred[l], g, k_max)
-    plan = Plan("ilp" if objective == "time" else "ilp-hot-mass", attn, pred, ffn_gpu, n_gpu, out)
-    return _repair(p, plan)
+                n_gpu[l] = min(int(math.floor(_val(v.n_split[l, g]) + 1e-6)), m.layers[l].n_ff)
+                split_layers.append(l)
+    plan = _repair(p, Plan("ilp" if objective == "time" else "ilp-hot-mass", attn, pred, ffn_gpu, n_gpu, out))
+    for l in split_layers:
+        g = int(plan.ffn_gpu[l]) or int(ffn_gpu[l])
+        lb = m.layers[l]
+        slack = p.budgets[g - 1] - _gpu_bytes(p, plan, g)
+        k_hi = min(int(plan.n_gpu[l]) + int(max(slack, 0) // max(lb.neuron, 1e-9)), lb.n_ff)
+        while k_hi > plan.n_gpu[l] and int(lb.neuron_bytes(k_hi) - lb.neuron_bytes(plan.n_gpu[l])) > slack:
+            k_hi -= 1
+        ks = np.arange(k_hi + 1)
+        if objective == "hot-mass":
+            k = k_hi
+        else:
+            k = int(ks[np.argmin(_layer_times(p, l, int(plan.attn[l]), int(plan.pred[l]), g, ks))])
+        plan.n_gpu[l] = k
+        plan.ffn_gpu[l] = g if k else CPU
+    return plan
 
 
 def _layer_times(p: Problem, l: int, a: int, pr: int, g: int, ks: np.ndarray) -> np.ndarray:
@@ -414,12 +449,6 @@ def _layer_times(p: Problem, l: int, a: int, pr: int, g: int, ks: np.ndarray) ->
         if len(used) > 1:
             out[i] += c.sync[l, max(used)]
     return out
-
-
-def _best_count(p: Problem, l: int, a: int, pr: int, g: int, k_max: int) -> int:
-    ks = np.arange(k_max + 1)
-    t = _layer_times(p, l, a, pr, g, ks)
-    return int(ks[np.argmin(t)])  # first minimum: fewest neurons among equals
 
 
 def _repair(p: Problem, plan: Plan) -> Plan:

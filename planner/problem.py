@@ -47,12 +47,13 @@ class Problem:
 
 def build_problem(model: str | os.PathLike | GGUFFile, hw: Hardware, *, ctx_size: int | None = None,
                   act_dir: str | os.PathLike | None = None, act_tokens: int | None = None,
-                  group: int = DEFAULT_GROUP) -> Problem:
+                  group: int = DEFAULT_GROUP, activations: Activations | None = None) -> Problem:
+    """The planning problem for `model` on `hw`; `activations` overrides the statistics (calibration uses it)."""
     f = model if isinstance(model, GGUFFile) else open_gguf(model)
     if group < 1:
         raise PinferError(f"--group must be at least 1, got {group}")
     mb = account(f, ctx_size)
-    act = load_activations(f, mb.n_ff, act_dir, act_tokens)
+    act = activations or load_activations(f, mb.n_ff, act_dir, act_tokens)
     order, prefix = [], []
     for freq in act.freq:
         idx = np.argsort(-freq)  # ties in any fixed order; a stable sort is 4x slower on 80 x 28672 neurons

@@ -95,11 +95,11 @@ def print_plan(console: Console, d: dict) -> None:
     t.add_column("GPU neurons", justify="right")
     t.add_column("GPU mass", justify="right")
     t.add_column("split")
-    t.add_column("C_l", justify="right")
+    t.add_column("C_l", justify="right")  # the paper's minimum GPU neurons when dense parts are on the CPU
     t.add_column("µs", justify="right")
     for r in plan["layers"]:
         row = [str(r["layer"]), r["attn"]] + ([r["pred"] or "-"] if multi else [])
-        row += [f"{r['gpu_neurons']:,} / {r['n_ff']:,}", f"{r['gpu_mass']:.1%}", "split" if r["split"] else "",
+        row += [f"{r['gpu_neurons']:,}/{r['n_ff']:,}", f"{r['gpu_mass']:.1%}", "split" if r["split"] else "",
                 f"{r['c_min']:,}", f"{r['time_us']:.0f}"]
         t.add_row(*row)
     console.print(t)
@@ -143,11 +143,13 @@ def print_summary(console: Console, d: dict) -> None:
 
 def print_compare(console: Console, d: dict) -> None:
     m = d["model"]
-    t = Table(title=f"{m['name']}  ({m['quant']}, ctx {m['ctx_size']}) on {d['cpu']}", title_justify="left")
-    for col, just in (("GPU", "left"), ("VRAM budget", "right"), ("VRAM used", "right"), ("neurons on GPU", "right"),
-                      ("mass on GPU", "right"), ("tokens/s", "right"), ("vs layers", "right"),
-                      ("vs powerinfer", "right"), ("fits whole", "left"), ("solve", "right")):
-        t.add_column(col, justify=just)
+    t = Table(title=f"{m['name']}  ({m['quant']}, ctx {m['ctx_size']}) on {d['cpu']}", title_justify="left",
+              caption="neurons, mass: shares on the GPU(s).  x layers, x powerinfer: the plan's speed-up over "
+                      "those baselines.  fits: the whole model fits.", caption_justify="left")
+    for col, just in (("GPU", "left"), ("VRAM budget", "right"), ("VRAM used", "right"), ("neurons", "right"),
+                      ("mass", "right"), ("tokens/s", "right"), ("x layers", "right"), ("x powerinfer", "right"),
+                      ("fits", "left"), ("solve", "right")):
+        t.add_column(col, justify=just, no_wrap=True)
     for r in d["rows"]:
         if r.get("error"):
             t.add_row(r["gpu"], _gib(r["vram_budget"]) if r.get("vram_budget") else "-", "-", "-", "-", "-", "-",

@@ -139,8 +139,10 @@ def synthetic_counts(n_layer: int, n_ff: int, sparsity: float, hot_share: float,
 
 def make_skeleton(shape: str, path: str | os.PathLike, *, quant: str = "q4_0", predictors: bool | None = None,
                   seed: int = 0, tokens: int = 1_000_000, sparsity: float | None = None,
-                  hot_share: float | None = None) -> Path:
-    """Write a skeleton GGUF of a known shape with synthetic statistics; returns its path."""
+                  hot_share: float | None = None, n_layer: int | None = None) -> Path:
+    """Write a skeleton GGUF of a known shape with synthetic statistics; returns its path.
+
+    n_layer keeps only the first layers (tests plan scaled-down models quickly)."""
     key = shape.lower()
     if key not in SHAPES:
         import difflib
@@ -159,6 +161,10 @@ def make_skeleton(shape: str, path: str | os.PathLike, *, quant: str = "q4_0", p
         if not 0 <= sparsity < 1:
             raise PinferError(f"--sparsity is a fraction in [0, 1), got {sparsity}")
         s = replace(s, sparsity=sparsity)
+    if n_layer is not None:
+        if not 1 <= n_layer <= s.n_layer:
+            raise PinferError(f"n_layer must be in 1..{s.n_layer} for {key}, got {n_layer}")
+        s = replace(s, n_layer=n_layer)
     if hot_share is not None:
         if not 0 < hot_share < 1:
             raise PinferError(f"--hot-share is a fraction in (0, 1), got {hot_share}")
@@ -192,3 +198,25 @@ def make_skeleton(shape: str, path: str | os.PathLike, *, quant: str = "q4_0", p
     counts = synthetic_counts(s.n_layer, s.n_ff, s.sparsity, s.hot_share, tokens, seed)
     tensors = {C.tensor(C.ACT_COUNTS, b): c for b, c in enumerate(counts)}
     return write_gguf(path, meta, tensors)
+
+
+def skeleton_from(model: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """A skeleton of an existing model: its metadata, its tensors declared, and only its statistics stored."""
+    from formats.reader import open_gguf
+
+    from .memory import model_tensors, tensor_table
+
+    f = open_gguf(model)
+    declared = model_tensors(tensor_table(f))
+    meta = {k: v for k, v in f.metadata.items() if not k.startswith("pinfer.skeleton.")}
+    meta.update({
+        C.SKELETON: True,
+        C.SKELETON_SHAPE: Path(model).name,
+        C.SKELETON_TENSOR_NAMES: [t.name for t in declared],
+        C.SKELETON_TENSOR_TYPES: np.array([t.ggml_type for t in declared], dtype=np.uint32),
+        C.SKELETON_TENSOR_N_DIMS: np.array([len(t.ne) for t in declared], dtype=np.uint32),
+        C.SKELETON_TENSOR_NE: np.array([d for t in declared for d in (tuple(t.ne) + (1,) * 4)[:4]], dtype=np.uint64),
+    })
+    types = {k: v for k, v in f.value_types.items() if k in meta}
+    kept = {n: np.array(f.raw(n)) for n in f.tensors if n not in {t.name for t in declared}}
+    return write_gguf(path, meta, kept, value_types=types)
