@@ -189,34 +189,44 @@ def _sddmm_gate_up(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, parts: int
 _OFFSET0 = torch.zeros(1, dtype=torch.long)
 
 
-def _axpy_down(w: FFNWeights, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """sum_j h[t, j] * down_t[idx[j]] for every row t of h (T, k) -> (T, d), reading the rows in place."""
+def _axpy_down(w: FFNWeights, h: torch.Tensor, idx: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """sum_j h[t, j] * down_t[idx[j]] for every row t of h (T, k) -> (T, d), reading the rows in place.
+
+    embedding_bag parallelises over bags: one token's index list is cut into `parts` bags whose sums are added."""
     T, k = h.shape
     if T == 1:
-        ind, offsets = idx, _OFFSET0
+        ind = idx
+        parts = parts if k >= 2 * parts else 1
+        offsets = _OFFSET0 if parts == 1 else torch.tensor([i * k // parts for i in range(parts)])
     else:
-        ind, offsets = idx.repeat(T), torch.arange(0, T * k, k)
+        ind, offsets, parts = idx.repeat(T), torch.arange(0, T * k, k), 1
     # torch.embedding_bag skips F.embedding_bag's Python-side checks; mode 0 = sum
-    return torch.embedding_bag(w.down_t, ind, offsets, False, 0, False, h.reshape(-1))[0]
+    out = torch.embedding_bag(w.down_t, ind, offsets, False, 0, False, h.reshape(-1))[0]
+    return out if parts == 1 else out.sum(0, keepdim=True)
 
 
-def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None,
+               row_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The FFN for x [T, d] computed on neurons idx only (LongTensor, sorted or not, no duplicates): the dense FFN with
     every other neuron's activation set to zero. For ReLU variants and idx = every neuron that fires for any row
-    (the union of the rows' masks), this equals ffn_dense exactly up to float rounding."""
+    (the union of the rows' masks), this equals ffn_dense exactly up to float rounding.
+    row_mask: optional bool [T, len(idx)]; row t then also zeroes the neurons idx[j] where row_mask[t, j] is False."""
     T = x.shape[0]
     k = idx.numel()
     if k == 0:
         return x.new_zeros(T, w.n_embd)
     d = w.n_embd
+    parts = threads or torch.get_num_threads()
     if T < GATHER_MIN_T and w.dtype in SDDMM_DTYPES:
-        a = _sddmm_gate_up(w, x, idx, threads or torch.get_num_threads())  # (T, k, 2)
+        a = _sddmm_gate_up(w, x, idx, parts)  # (T, k, 2)
     else:  # sampled_addmm has no half-precision CPU kernel: gather the rows once, then one GEMM
         gu = torch.index_select(w.gate_up.view(w.n_ff, 2 * d), 0, idx, out=_ws.get("gate_up", k, 2 * d, w.dtype))
         a = F.linear(x, gu.view(2 * k, d)).view(T, k, 2)
     h = _activate(a, w.act)  # (T, k)
+    if row_mask is not None:
+        h = h * row_mask
     if T < GATHER_MIN_T:
-        return _axpy_down(w, h, idx)
+        return _axpy_down(w, h, idx, parts)
     down = torch.index_select(w.down_t, 0, idx, out=_ws.get("down", k, d, w.dtype))
     return h @ down
 
@@ -242,6 +252,17 @@ def union_indices(mask: torch.Tensor) -> torch.Tensor:
     """Sorted indices of neurons active in any row of a bool mask [T, n_ff] (or [n_ff])."""
     m = mask if mask.dim() == 1 else mask.any(dim=0)
     return m.nonzero().view(-1)
+
+
+def ffn_masked(w: FFNWeights, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Row t of x [T, d] computed on its own active neurons mask[t] (bool [T, n_ff]; the others zeroed), so a row's
+    result never depends on the other rows of the batch. Runs on the union of the rows' masks by ffn_sparse, or by
+    ffn_dense when the measured rule says the union is too dense for sparse to pay."""
+    idx = union_indices(mask)
+    if sparse_pays(x.shape[0], idx.numel(), w.n_ff):
+        return ffn_sparse(w, x, idx, row_mask=mask[:, idx])
+    a = F.linear(x, w.gate_up.view(2 * w.n_ff, w.n_embd))  # (T, 2 n_ff)
+    return (_activate(a.view(-1, w.n_ff, 2), w.act) * mask) @ w.down_t
 
 
 def ffn_auto(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

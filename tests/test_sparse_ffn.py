@@ -147,3 +147,17 @@ def test_large_layer_uses_huge_page_memory_and_stays_alive():
     view = w.gate_up[3]
     del w
     assert float(view.sum()) == 2 * d  # the view keeps the anonymous mapping alive
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 40])
+@pytest.mark.parametrize("act", S.ACTIVATIONS)
+def test_masked_rows_use_their_own_masks(mats, T, act):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act=act)
+    x = inputs(T, seed=T)
+    gen = torch.Generator().manual_seed(T)
+    density = 0.05 if T < 40 else 0.6  # T=40 at 60% union density takes the dense branch of the rule
+    mask = torch.rand(T, N_FF, generator=gen) < density
+    out = S.ffn_masked(w, x, mask)
+    for t in range(T):
+        close(out[t:t + 1], reference(gate, up, down_t, x[t:t + 1], act, keep=mask[t].nonzero().view(-1)))
