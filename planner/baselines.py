@@ -15,6 +15,7 @@ runs on the same sparse engine, so the numbers compare where things live, not wh
 Several GPUs: layers and gpu pack whole layers into the GPUs in order; powerinfer uses the first GPU, as PowerInfer
 supports one.
 """
+# ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
 from __future__ import annotations
 

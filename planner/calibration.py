@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 
@@ -86,7 +86,7 @@ def fit(samples: list[Sample]) -> tuple[float, float, float]:
 def calibrate(cpu_key: str, measured_bw_gbs: float, samples: list[Sample], save_it: bool = True) -> Calibration:
     per_byte, per_op, per_token = fit(samples)
     cal = Calibration(cpu_key, 1e-9 / per_byte if per_byte > 0 else measured_bw_gbs, per_op * 1e6, per_token * 1e6,
-                      measured_bw_gbs, datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      measured_bw_gbs, datetime.now(UTC).isoformat(timespec="seconds"),
                       [asdict(s) for s in samples])
     if save_it:
         save(cal)

@@ -15,7 +15,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import numpy as np
 import typer
@@ -86,7 +86,7 @@ def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, 
     if write:
         result.written = write_plan(f, masks, buckets, meta, dest=output)
     if export:
-        ffn_bytes = sum(int(lb.neuron_bytes(k)) for lb, k in zip(p.model.layers, sol.plan.n_gpu))
+        ffn_bytes = sum(int(lb.neuron_bytes(k)) for lb, k in zip(p.model.layers, sol.plan.n_gpu, strict=True))
         result.gpuidx = export_gpuidx(gpuidx_path(result.written or model), masks, buckets, ffn_bytes, fp)
     return result
 
@@ -170,23 +170,23 @@ def _status(enabled: bool):
     return status
 
 
-GpuOpt = Annotated[Optional[list[str]], typer.Option("--gpu", help="GPU from the table (repeat for several GPUs in "
+GpuOpt = Annotated[list[str] | None, typer.Option("--gpu", help="GPU from the table (repeat for several GPUs in "
                                                                     "one host); see `pi-plan gpus`")]
-VramOpt = Annotated[Optional[float], typer.Option("--vram-budget", help="VRAM per GPU for the model, GiB "
+VramOpt = Annotated[float | None, typer.Option("--vram-budget", help="VRAM per GPU for the model, GiB "
                                                                        "(default: the card's memory less 0.5 GiB)")]
-PcieOpt = Annotated[Optional[float], typer.Option("--pcie-bw", help="effective host<->GPU bandwidth, GB/s")]
-CoresOpt = Annotated[Optional[int], typer.Option("--cpu-cores", help="CPU cores (default: detected)")]
-CpuBwOpt = Annotated[Optional[float], typer.Option("--cpu-bw", help="CPU memory bandwidth, GB/s (default: "
+PcieOpt = Annotated[float | None, typer.Option("--pcie-bw", help="effective host<->GPU bandwidth, GB/s")]
+CoresOpt = Annotated[int | None, typer.Option("--cpu-cores", help="CPU cores (default: detected)")]
+CpuBwOpt = Annotated[float | None, typer.Option("--cpu-bw", help="CPU memory bandwidth, GB/s (default: "
                                                                    "measured once and cached)")]
-RamOpt = Annotated[Optional[float], typer.Option("--host-ram", help="host RAM, GiB (default: detected)")]
-CtxOpt = Annotated[Optional[int], typer.Option("--ctx-size", help="context size; its KV cache counts against "
+RamOpt = Annotated[float | None, typer.Option("--host-ram", help="host RAM, GiB (default: detected)")]
+CtxOpt = Annotated[int | None, typer.Option("--ctx-size", help="context size; its KV cache counts against "
                                                                   "memory (default: the model's)")]
-HwOpt = Annotated[Optional[Path], typer.Option("--hw", help="TOML file describing the machine ([cpu], [pcie], "
+HwOpt = Annotated[Path | None, typer.Option("--hw", help="TOML file describing the machine ([cpu], [pcie], "
                                                            "[engine], [[gpu]])")]
-ActOpt = Annotated[Optional[Path], typer.Option("--activations", help="PowerInfer activation/ directory "
+ActOpt = Annotated[Path | None, typer.Option("--activations", help="PowerInfer activation/ directory "
                                                                      "(activation_N.pt) instead of the file's "
                                                                      "statistics")]
-ActTokOpt = Annotated[Optional[int], typer.Option("--act-tokens", help="tokens the activation counts were "
+ActTokOpt = Annotated[int | None, typer.Option("--act-tokens", help="tokens the activation counts were "
                                                                       "gathered over")]
 GroupOpt = Annotated[int, typer.Option("--group", help="neurons per group in the ILP (1: every neuron)")]
 SolverOpt = Annotated[str, typer.Option("--solver", help=f"MILP solver: {' or '.join(SOLVERS)}")]
@@ -214,7 +214,7 @@ def plan_cmd(
     group: GroupOpt = DEFAULT_GROUP, solver: SolverOpt = "cbc", time_limit: TimeOpt = 30.0, gap: GapOpt = 1e-3,
     exact: Annotated[bool, typer.Option("--exact", help="a binary per neuron group instead of the continuous "
                                                        "relaxation: exact, for small models")] = False,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write the planned model here instead "
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="write the planned model here instead "
                                                                           "of rewriting MODEL")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="plan and print, write nothing")] = False,
     export_gpuidx: Annotated[bool, typer.Option("--export-gpuidx", help="also write PowerInfer's "
@@ -280,13 +280,13 @@ def skeleton_cmd(
                                               "smollm2-135m")],
     output: Annotated[Path, typer.Option("-o", "--output", help="file to write")],
     quant: Annotated[str, typer.Option("--quant", help="f16, q8_0, q4_0 or q4_k")] = "q4_0",
-    predictors: Annotated[Optional[bool], typer.Option("--predictors/--no-predictors",
+    predictors: Annotated[bool | None, typer.Option("--predictors/--no-predictors",
                                                        help="PowerInfer predictors (default: as the shape)")] = None,
     seed: Annotated[int, typer.Option("--seed", help="seed of the synthetic statistics")] = 0,
     tokens: Annotated[int, typer.Option("--tokens", help="tokens the synthetic counts stand for")] = 1_000_000,
-    sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="mean inactive share (default: the "
+    sparsity: Annotated[float | None, typer.Option("--sparsity", help="mean inactive share (default: the "
                                                                          "paper's for the shape)")] = None,
-    hot_share: Annotated[Optional[float], typer.Option("--hot-share", help="share of neurons carrying 80% of the "
+    hot_share: Annotated[float | None, typer.Option("--hot-share", help="share of neurons carrying 80% of the "
                                                                            "activations")] = None,
     verbose: VerboseOpt = False,
 ):
@@ -329,7 +329,7 @@ def show_cmd(model: Annotated[Path, typer.Argument(help="a planned GGUF")], json
 def apply_cmd(model: Annotated[Path, typer.Argument(help="GGUF model to put the plan into")],
               source: Annotated[Path, typer.Option("--from", help="planned model, skeleton or .gpuidx holding "
                                                                   "the plan")],
-              output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write here instead of "
+              output: Annotated[Path | None, typer.Option("-o", "--output", help="write here instead of "
                                                                                     "rewriting MODEL")] = None,
               verbose: VerboseOpt = False):
     """Copy a plan made elsewhere into MODEL; refused unless it was made for the same tensors."""

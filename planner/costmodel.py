@@ -16,6 +16,7 @@ pays nothing; a hand-over between two such layers on different devices (one tran
 Everything the model knows about the hardware is in `Costs`; `evaluate` is the exact reference the ILP's answers,
 the baselines and the tests are all measured with.
 """
+# ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def evaluate(problem, plan: Plan) -> Evaluation:
     layer_time = c.attn[rows, plan.attn] + c.pred[rows, plan.pred] + np.maximum(gpu_ffn, cpu_ffn) + sync
     time = float(layer_time.sum() + c.output[plan.output] + c.token)
 
-    neuron_bytes = np.array([int(lb.neuron_bytes(kk)) for lb, kk in zip(m.layers, k)])
+    neuron_bytes = np.array([int(lb.neuron_bytes(kk)) for lb, kk in zip(m.layers, k, strict=True)])
     attn_b = np.array([lb.attn + lb.kv for lb in m.layers])
     pred_b = np.array([lb.pred for lb in m.layers])
     ffn_b = np.array([lb.ffn for lb in m.layers])

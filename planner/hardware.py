@@ -48,7 +48,7 @@ import platform
 import time
 import tomllib
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
 
@@ -220,7 +220,7 @@ def cpu_bandwidth(name: str, cores: int) -> float:
     if key in cached:
         return float(cached[key]["mem_bw_gbs"])
     bw = measure_cpu_bandwidth(cores)
-    cached[key] = {"mem_bw_gbs": round(bw, 2), "measured": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    cached[key] = {"mem_bw_gbs": round(bw, 2), "measured": datetime.now(UTC).isoformat(timespec="seconds")}
     write_cache("cpu.json", cached)
     return bw
 

@@ -25,6 +25,7 @@ Relaxing m_split below P_l(n_split) never gains time (a prefix with the same mas
 with less VRAM), so `_polish` turns the LP's fractional counts into exact prefixes and evaluates them with
 costmodel.evaluate: the reported time is the cost model's, never the ILP's.
 """
+# ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
 from __future__ import annotations
 

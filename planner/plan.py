@@ -45,7 +45,7 @@ class Plan:
     def gpu_masks(self, order: list[np.ndarray]) -> list[np.ndarray]:
         """Per layer, I32 [n_ff] in the model's neuron order: 1 where the neuron lives on a GPU (PowerInfer gpu_idx)."""
         masks = []
-        for k, idx in zip(self.n_gpu, order):
+        for k, idx in zip(self.n_gpu, order, strict=True):
             m = np.zeros(len(idx), dtype=np.int32)
             m[idx[:k]] = 1
             masks.append(m)
@@ -53,7 +53,7 @@ class Plan:
 
     def gpu_buckets(self, order: list[np.ndarray]) -> list[np.ndarray]:
         """Per layer, sorted I32 indices of the GPU neurons (PowerInfer gpu_bucket)."""
-        return [np.sort(idx[:k]).astype(np.int32) for k, idx in zip(self.n_gpu, order)]
+        return [np.sort(idx[:k]).astype(np.int32) for k, idx in zip(self.n_gpu, order, strict=True)]
 
     def same_as(self, other: Plan) -> bool:
         return (np.array_equal(self.attn, other.attn) and np.array_equal(self.pred, other.pred)

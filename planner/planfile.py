@@ -81,7 +81,7 @@ def plan_metadata(p: Problem, plan: Plan, *, objective: str, status: str, gap: f
 
 def _plan_tensors(masks: list[np.ndarray], buckets: list[np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
-    for bid, (mask, bucket) in enumerate(zip(masks, buckets)):
+    for bid, (mask, bucket) in enumerate(zip(masks, buckets, strict=True)):
         out[C.tensor(C.GPU_IDX, bid)] = np.asarray(mask, dtype=np.int32)
         out[C.tensor(C.GPU_BUCKET, bid)] = np.asarray(bucket, dtype=np.int32)
     return out

@@ -1,4 +1,5 @@
 """What pi-plan prints: rich tables for people, plain dicts for --json. No decisions are made here."""
+# ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def print_plan(console: Console, d: dict) -> None:
 def print_summary(console: Console, d: dict) -> None:
     plan, hw = d["plan"], d["hardware"]
     used = ", ".join(f"{_gib(u)} / {_gib(b)} GiB ({g['name']})"
-                     for u, b, g in zip(plan["vram_used"], plan["vram_budget"], hw["gpus"]))
+                     for u, b, g in zip(plan["vram_used"], plan["vram_budget"], hw["gpus"], strict=True))
     cpu = hw["cpu"]
     s = Table.grid(padding=(0, 2))
     s.add_column(style="bold")

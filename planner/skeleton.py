@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from formats import constants as C
 from formats.errors import PinferError
@@ -86,7 +87,7 @@ def tensor_specs(s: Shape, quant: str) -> list[tuple[str, tuple[int, ...], T]]:
     if not s.tied:
         specs.append((C.OUTPUT, (s.vocab, e), _fits(e, out_q)))
     for b in range(s.n_layer):
-        t = lambda template: C.tensor(template, b)  # noqa: E731
+        t = lambda template, b=b: C.tensor(template, b)  # noqa: E731
         if s.falcon:
             specs += [(t(C.ATTN_NORM), (e,), T.F32), (f"blk.{b}.attn_norm.bias", (e,), T.F32),
                       (f"blk.{b}.attn_norm_2.weight", (e,), T.F32), (f"blk.{b}.attn_norm_2.bias", (e,), T.F32),

@@ -8,6 +8,7 @@ attention and predictor go and how many neurons its GPU holds, minimising time +
 needs the lower convex hull of the layer's time-vs-count curve (any minimiser of t(k) + lam*b*k is a hull vertex).
 Bisection on lam finds the cheapest price that fits; the VRAM left over goes to the best time-per-byte steps.
 """
+# ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def heuristic_plan(p: Problem) -> Plan | None:
         picks = []
         for opts in options:
             best = None
-            for o, (a, pr, ks, ts, dense, nb) in enumerate(opts):
+            for o, (_, _, ks, ts, dense, nb) in enumerate(opts):
                 cost = ts + lam * (dense + ks * nb)
                 i = int(np.argmin(cost))
                 if best is None or cost[i] < best[0]:
@@ -153,7 +154,7 @@ def heuristic_plan(p: Problem) -> Plan | None:
 
     L = m.n_layer
     attn, pred, ffn_gpu, n_gpu = (np.zeros(L, dtype=np.int64) for _ in range(4))
-    for l, (o, i) in enumerate(picks):
+    for l, (o, _) in enumerate(picks):
         a, pr = options[l][o][:2]
         k = counts[l]
         attn[l], pred[l] = a, pr

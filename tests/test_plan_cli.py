@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_plan_helpers import digest, fast_hw, gpu, leftovers, tiny_model
 from typer.testing import CliRunner
 
 from formats import constants as C
@@ -16,7 +17,6 @@ from planner.cli import app, normalize_argv
 from planner.ilp import solve
 from planner.problem import build_problem
 from planner.skeleton import skeleton_from
-from test_plan_helpers import digest, fast_hw, gpu, leftovers, tiny_model
 
 CPU_OPTS = ["--cpu-cores", "4", "--cpu-bw", "20", "--host-ram", "64"]
 runner = CliRunner()

@@ -41,7 +41,7 @@ def tiny_model(path: Path, *, n_layer: int = 3, n_embd: int = 64, n_ff: int = 96
         tensors[C.OUTPUT] = _tensor(rng, (vocab, n_embd), T.Q8_0)
     tokens = 1000
     for b in range(n_layer):
-        t = lambda tp: C.tensor(tp, b)  # noqa: E731
+        t = lambda tp, b=b: C.tensor(tp, b)  # noqa: E731
         tensors[t(C.ATTN_NORM)] = np.ones(n_embd, np.float32)
         tensors[t(C.ATTN_Q)] = _tensor(rng, (n_embd, n_embd), qtype)
         tensors[t(C.ATTN_K)] = _tensor(rng, (kv, n_embd), qtype)

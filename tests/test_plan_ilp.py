@@ -1,9 +1,10 @@
 """The placement ILP against brute force, and the cost model against itself."""
+# ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
-import itertools
 
 import numpy as np
 import pytest
+from test_plan_helpers import fast_hw, gpu, tiny_model
 
 from formats.reader import open_gguf
 from planner.costmodel import evaluate
@@ -11,7 +12,6 @@ from planner.ilp import build_model, solve
 from planner.memory import account
 from planner.plan import CPU, Plan
 from planner.problem import build_problem
-from test_plan_helpers import fast_hw, gpu, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,6 @@ def brute_force(p) -> tuple[float, Plan]:
     combos_t = np.zeros(1)
     combos_v = np.zeros((1, J))
     combos_h = np.zeros(1)
-    choices = [np.zeros((1, 0), dtype=np.int64)]
     per_layer = []
     for l, lb in enumerate(m.layers):
         opts = []

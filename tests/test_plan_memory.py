@@ -6,16 +6,15 @@ import gguf
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
+from test_plan_helpers import fast_hw, gpu, tiny_model
 
 from formats import constants as C
 from formats.reader import open_gguf
-from planner.costmodel import evaluate
 from planner.ilp import solve
 from planner.memory import account, tensor_table
 from planner.planfile import fingerprint
 from planner.problem import build_problem
 from planner.skeleton import SHAPES, make_skeleton, skeleton_from, tensor_specs
-from test_plan_helpers import fast_hw, gpu, tiny_model
 
 
 @pytest.fixture(autouse=True)

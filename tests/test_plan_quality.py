@@ -49,12 +49,12 @@ def check(p, hot_mass: bool):
     sol = solve(p, "time")
     ev = sol.evaluation
     assert sol.status == "optimal"
-    assert ev.fits and all(v <= g.budget_bytes for v, g in zip(ev.vram, p.hw.gpus))
+    assert ev.fits and all(v <= g.budget_bytes for v, g in zip(ev.vram, p.hw.gpus, strict=True))
     for name, b in baselines.items():
         if b.time is not None:
             assert ev.time <= b.time * (1 + 1e-9), f"{name} is faster: {b.time} < {ev.time}"
         if b.evaluation is not None and b.evaluation.fits:
-            assert all(v <= g.budget_bytes for v, g in zip(b.evaluation.vram, p.hw.gpus))
+            assert all(v <= g.budget_bytes for v, g in zip(b.evaluation.vram, p.hw.gpus, strict=True))
     if hot_mass:
         pi = baselines["powerinfer"]
         hm = solve(p, "hot-mass", fixed_dense=pi.plan)

@@ -1,0 +1,121 @@
+"""The GPU table, --hw files and flags, CPU detection with its cache, and the CPU calibration."""
+
+import json
+
+import pytest
+
+from formats.errors import PinferError
+from planner import calibration, hardware
+from planner.calibration import Sample, calibrate, fit
+from planner.hardware import CPU, gpu_table, load_hw_file, lookup_gpu, resolve_hardware
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    calls = []
+
+    def fake(cores, mib=256, repeats=5):
+        calls.append(cores)
+        return 12.5 * cores
+
+    monkeypatch.setattr(hardware, "measure_cpu_bandwidth", fake)
+    return calls
+
+
+def test_table_covers_the_issue_and_is_sane():
+    table = gpu_table()
+    for name in ("rtx4090", "rtx4080", "rtx3090", "rtx3060-12g", "rtx2080ti", "a100-40g", "a100-80g", "h100-pcie",
+                 "h200", "l4", "t4"):
+        assert name in table
+    for name in table:
+        g = lookup_gpu(name)
+        assert 8 <= g.vram_gib <= 160 and 200 <= g.mem_bw_gbs <= 5000 and 5 <= g.fp16_tflops <= 200
+        assert g.pcie_gen in (3, 4, 5) and g.pcie_lanes in (8, 16)
+    assert lookup_gpu("rtx4090").pcie_gbs == pytest.approx(1.969 * 16 * 0.8)
+    assert lookup_gpu("rtx4060ti-16g").pcie_gbs == pytest.approx(lookup_gpu("rtx4090").pcie_gbs / 2)
+    assert lookup_gpu("RTX4090").name == "rtx4090"
+
+
+def test_unknown_gpu_suggests():
+    with pytest.raises(PinferError, match="close names: .*a100-80g"):
+        lookup_gpu("a100-80")
+
+
+def test_flags_override_the_hw_file(tmp_path, no_measuring):
+    hw_file = tmp_path / "hw.toml"
+    hw_file.write_text("[cpu]\ncores = 8\nmem_bw_gbs = 50\nhost_ram_gib = 32\n[[gpu]]\nname = 't4'\n")
+    hw = resolve_hardware(None, hw_file=hw_file)
+    assert [g.name for g in hw.gpus] == ["t4"] and hw.cpu.cores == 8 and hw.cpu.mem_bw_gbs == 50
+    hw = resolve_hardware(["l4"], hw_file=hw_file, cpu_cores=2, pcie_bw_gbs=7, vram_budget_gib=10)
+    assert [g.name for g in hw.gpus] == ["l4"] and hw.cpu.cores == 2 and hw.cpu.mem_bw_gbs == 50
+    assert hw.pcie_gbs(hw.gpus[0]) == 7 and hw.gpus[0].budget_bytes == 10 << 30
+    assert not no_measuring
+    with pytest.raises(PinferError, match="exceeds"):
+        resolve_hardware(["t4"], vram_budget_gib=40, cpu_bw_gbs=10)
+
+
+def test_cpu_bandwidth_is_measured_once(no_measuring):
+    a = resolve_hardware(["t4"], cpu_cores=3)
+    b = resolve_hardware(["t4"], cpu_cores=3)
+    assert no_measuring == [3] and a.cpu.mem_bw_gbs == b.cpu.mem_bw_gbs == 37.5
+    cached = json.loads((hardware.cache_dir() / "cpu.json").read_text())
+    assert any(k.endswith("|3") for k in cached)
+
+
+def test_bad_flags():
+    for kw in ({"cpu_cores": 0}, {"cpu_bw_gbs": -1}, {"vram_budget_gib": 0}):
+        with pytest.raises(PinferError, match="positive"):
+            resolve_hardware(["t4"], **kw)
+
+
+def test_hw_file_custom_gpu(tmp_path):
+    f = tmp_path / "hw.toml"
+    f.write_text("[[gpu]]\nname = 'lab-card'\nvram_gib = 48\nmem_bw_gbs = 960\npcie_gen = 5\npcie_lanes = 8\n"
+                 "fp16_tflops = 91.5\nvram_budget_gib = 40\n[engine]\nsync_us = 0\n")
+    spec = load_hw_file(f)
+    g = spec["gpus"][0]
+    assert (g.name, g.vram_gib, g.pcie_gen, g.budget_bytes) == ("lab-card", 48.0, 5, 40 << 30)
+    assert spec["engine"] == {"sync_us": 0.0}
+
+
+def _samples(per_byte, per_op, per_token):
+    shapes = [(1e8, 300), (3e8, 300), (5e7, 150), (2e8, 600)]
+    return [Sample(f"s{i}", b, o, b * per_byte + o * per_op + per_token) for i, (b, o) in enumerate(shapes)]
+
+
+def test_calibration_fit_recovers_constants():
+    got = fit(_samples(1 / 8e9, 20e-6, 3e-3))
+    assert got == pytest.approx((1 / 8e9, 20e-6, 3e-3), rel=1e-6)
+    # never negative, even when the data would like it
+    per_byte, per_op, per_token = fit([Sample("a", 1e8, 100, 0.01), Sample("b", 2e8, 100, 0.019)])
+    assert per_byte > 0 and per_op >= 0 and per_token >= 0
+
+
+def test_calibration_is_cached_and_applied(no_measuring, monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_name", lambda: "Test CPU")
+    monkeypatch.setattr(hardware, "detect_cores", lambda: 2)
+    cal = calibrate("Test CPU|2", 25.0, _samples(1 / 5e9, 40e-6, 2e-3))
+    assert cal.bw_gbs == pytest.approx(5.0) and cal.op_us == pytest.approx(40) and cal.token_us == pytest.approx(2000)
+    assert calibration.load("Test CPU|2").bw_gbs == pytest.approx(5.0)
+    hw = resolve_hardware(["t4"])  # this machine's own CPU: calibrated
+    assert hw.cpu.calibrated and hw.cpu.op_us == pytest.approx(40)
+    assert hw.cpu.mem_bw_gbs * hw.cpu.bw_efficiency == pytest.approx(5.0)
+    assert not resolve_hardware(["t4"], calibration=False).cpu.calibrated
+    assert not resolve_hardware(["t4"], cpu_bw_gbs=30).cpu.calibrated  # a described CPU is not this machine's
+    calibration.forget("Test CPU|2")
+    assert calibration.load("Test CPU|2") is None
+
+
+def test_cost_model_uses_the_link():
+    from planner.costmodel import speeds
+    from planner.hardware import Hardware
+
+    cpu = CPU("c", 8, 50.0, 64.0)
+    fast, slow = Hardware(cpu, [lookup_gpu("rtx4090")]), Hardware(cpu, [lookup_gpu("rtx4060ti-16g")])
+    assert speeds(fast)[1].bw > speeds(slow)[1].bw
+    assert fast.pcie_gbs(fast.gpus[0]) == 2 * slow.pcie_gbs(slow.gpus[0])
