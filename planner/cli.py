@@ -198,7 +198,7 @@ CalOpt = Annotated[bool, typer.Option("--calibration/--no-calibration",
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="traceback on errors")]
 
 
-def _hw(gpu, vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw_file, calibration) -> dict:
+def _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw_file, calibration) -> dict:
     return dict(vram_budget_gib=vram_budget, pcie_bw_gbs=pcie_bw, cpu_cores=cpu_cores, cpu_bw_gbs=cpu_bw,
                 host_ram=host_ram, hw_file=hw_file, calibration=calibration)
 
@@ -223,7 +223,7 @@ def plan_cmd(
 ):
     """Plan one machine: solve, write the plan into the GGUF, print the per-layer table and a summary."""
     with _errors(verbose):
-        opts = _hw(gpu, vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
+        opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         machine = resolve_hardware(gpu, **opts)
         result = plan_model(model, machine, ctx_size=ctx_size, act_dir=activations, act_tokens=act_tokens,
                             objective=objective, group=group, solver=solver, time_limit=time_limit, gap=gap,
@@ -247,7 +247,7 @@ def compare_cmd(
 ):
     """Plan the same model for each --gpu and print one row per GPU; writes nothing."""
     with _errors(verbose):
-        opts = _hw(None, vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
+        opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         labels = gpu or []
         if json_out or not sys.stderr.isatty():
             d = compare_gpus(model, labels, hw_options=opts, ctx_size=ctx_size, act_dir=activations,

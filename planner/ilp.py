@@ -29,9 +29,11 @@ costmodel.evaluate: the reported time is the cost model's, never the ILP's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -95,7 +97,8 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
         if solver == "cbc":
             engine.optionsDict["logPath"] = log_path
         try:
-            prob.solve(engine)
+            with _quiet_stdout(solver == "highs"):
+                prob.solve(engine)
         except pulp.PulpSolverError as exc:
             raise PinferError(f"solver {solver} failed: {exc}") from None
         solve_s = time.perf_counter() - t0
@@ -360,6 +363,24 @@ def _solver(name: str, time_limit: float, gap: float, threads: int | None, warm_
     return engine
 
 
+@contextlib.contextmanager
+def _quiet_stdout(enabled: bool):
+    """HiGHS prints its banner from C++ before PuLP can turn its output off; keep it out of --json output."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _checked_status(prob: pulp.LpProblem, solver: str, time_limit: float) -> str:
     """Never use a result that is not a feasible integer solution."""
     if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
@@ -443,12 +464,13 @@ def _layer_times(p: Problem, l: int, a: int, pr: int, g: int, ks: np.ndarray) ->
     gpu = np.where(ks > 0, c.ffn_dispatch[g] + ks * c.dense[l, g] + mass * c.sparse[l, g], 0.0)
     cpu = np.where(ks < N, c.ffn_dispatch[CPU] + (N - ks) * c.dense[l, CPU] + (pre[-1] - mass) * c.sparse[l, CPU],
                    0.0)
-    dense_devs = {a} | ({pr} if lb.has_predictor else set())
+    dense = {a} | ({pr} if lb.has_predictor else set())
     out = np.maximum(gpu, cpu)
-    for i, k in enumerate(ks):
-        used = dense_devs | ({g} if k > 0 else set()) | ({CPU} if k < N else set())
+    for has_gpu, has_cpu, where in ((False, True, ks == 0), (True, True, (ks > 0) & (ks < N)),
+                                    (True, False, ks == N)):
+        used = dense | ({g} if has_gpu else set()) | ({CPU} if has_cpu else set())
         if len(used) > 1:
-            out[i] += c.sync[l, max(used)]
+            out[where] += c.sync[l, max(used)]
     return out
 
 

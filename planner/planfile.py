@@ -24,6 +24,7 @@ from formats.errors import PinferError
 from formats.reader import GGUFFile, open_gguf
 from formats.writer import rewrite_gguf, write_gguf
 
+from .costmodel import evaluate
 from .memory import model_tensors, tensor_table
 from .plan import Plan
 from .problem import Problem
@@ -51,8 +52,6 @@ def plan_metadata(p: Problem, plan: Plan, *, objective: str, status: str, gap: f
                   solve_s: float, tokens_per_s: float, vram_used: np.ndarray, fp: str,
                   baselines: dict[str, float | None]) -> dict:
     split = np.zeros(plan.n_layer, dtype=np.uint8)
-    from .costmodel import evaluate
-
     split[evaluate(p, plan).split] = 1
     return {
         C.PLAN_VERSION: np.uint32(PLAN_LAYOUT_VERSION),

@@ -60,17 +60,13 @@ def plan_dict(p: Problem, sol, baselines: dict[str, Baseline], written=None, gpu
             "vram_used": [int(x) for x in ev.vram], "vram_budget": [g.budget_bytes for g in p.hw.gpus],
             "host_used": ev.host, "host_ram": int(p.hw.cpu.host_ram_gib * GIB),
             "gpu_neuron_share": ev.gpu_neurons, "hot_mass": ev.hot_mass,
-            "output": device(plan_output(sol.plan), p.n_gpus), "notes": sol.notes,
+            "output": device(int(sol.plan.output), p.n_gpus), "notes": sol.notes,
             "layers": layer_rows(p, sol.plan, ev),
         },
         "baselines": {name: baseline_dict(b) for name, b in baselines.items()},
         "written": str(written) if written else None,
         "gpuidx": str(gpuidx) if gpuidx else None,
     }
-
-
-def plan_output(plan: Plan) -> int:
-    return int(plan.output)
 
 
 def baseline_dict(b: Baseline) -> dict:

@@ -147,3 +147,20 @@ def test_smollm2_accounting():
 
     with pytest.raises(PinferError, match="pi-profile"):
         build_problem(f, fast_hw([gpu()]))
+
+
+def test_planning_never_reads_weights(tmp_path, monkeypatch):
+    from formats.reader import GGUFFile
+
+    path = tiny_model(tmp_path / "m.gguf")
+    read = []
+    real_raw = GGUFFile.raw
+
+    def spy(self, name):
+        read.append(name)
+        return real_raw(self, name)
+
+    monkeypatch.setattr(GGUFFile, "raw", spy)
+    p = build_problem(path, fast_hw([gpu()]))
+    solve(p)
+    assert read and all(n.endswith("act_counts") for n in read)
