@@ -60,6 +60,9 @@ def print_summary(m) -> None:
     con.print(f"[bold]prompt[/] {st.prompt_tps:6.1f} tok/s   {st.prompt_tokens} tokens in {st.prompt_s:.2f} s")
     con.print(f"[bold]decode[/] {st.decode_tps:6.1f} tok/s   {st.decode_tokens} tokens in {st.decode_s:.2f} s "
               f"({st.stop_reason})")
+    frac = active_fraction(m)
+    if frac is not None:
+        con.print(f"[bold]ffn[/]    {m.ffn_mode}: {frac:.1%} of neurons computed per token and layer")
 
 
 @app.command()
@@ -82,6 +85,12 @@ def run(
     dtype: Annotated[str, typer.Option("--dtype", help="Activations and dequantised weights: f32, bf16, f16.")] = "f32",
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
     = None,
+    sparse: Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the "
+                                         "default when the file has predictors).")] = False,
+    dense: Annotated[bool, typer.Option("--dense", help="Compute every FFN neuron.")] = False,
+    oracle_masks: Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN with exact masks (ReLU: activation "
+                                               "> 0; SwiGLU: the file's CATS thresholds). For debugging and "
+                                               "benchmarks.")] = False,
     perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
                                                          "(windows of --ctx-size, default 512) instead of generating.")]
     = None,
@@ -90,8 +99,9 @@ def run(
 ) -> None:
     """Generate text with a GGUF model on the CPU."""
     try:
+        mode = ffn_mode(sparse, dense, oracle_masks)
         if perplexity_file is not None:
-            return run_perplexity(model, perplexity_file, threads, ctx_size, dtype, ffn_act, as_json)
+            return run_perplexity(model, perplexity_file, threads, ctx_size, dtype, ffn_act, mode, as_json)
         if file is not None:
             if not file.exists():
                 raise PinferError(f"{file}: no such prompt file")
@@ -102,7 +112,7 @@ def run(
             raise PinferError(f"-n must be >= 0, got {n_predict}")
         from runtime import load_model
 
-        m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act)
+        m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
         ids = build_prompt(m, prompt, chat, system)
         stream = TextStream(m.tokenizer)
         gen = m.generate(ids, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -111,7 +121,8 @@ def run(
             for tok in gen:
                 stream.push(tok)
             print(json.dumps({"model": str(m.file.path), "prompt": prompt, "text": stream.text,
-                              "tokens": stream.ids, "timings": m.stats.as_dict()}, ensure_ascii=False))
+                              "tokens": stream.ids, "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
+                              "ffn_active_fraction": active_fraction(m)}, ensure_ascii=False))
             return
         if not chat:
             sys.stdout.write(prompt)
@@ -124,7 +135,18 @@ def run(
         raise typer.Exit(report(e, verbose, prog="pi-run")) from None
 
 
-def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, as_json: bool) -> None:
+def ffn_mode(sparse: bool, dense: bool, oracle: bool) -> str:
+    if sum((sparse, dense, oracle)) > 1:
+        raise PinferError("choose one of --sparse, --dense and --oracle-masks")
+    return "sparse" if sparse else "dense" if dense else "oracle" if oracle else "auto"
+
+
+def active_fraction(m) -> float | None:
+    s = m.sparsity()
+    return None if s is None else round(sum(s) / len(s), 4)
+
+
+def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, mode: str, as_json: bool) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -135,17 +157,20 @@ def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, as_json
         raise PinferError(f"{path}: no such text file for --perplexity")
     text = path.read_text(encoding="utf-8", errors="replace")
     window = ctx_size or 512
-    m = load_model(model, threads=threads, ctx_size=window, dtype=dtype, ffn_act=ffn_act)
+    m = load_model(model, threads=threads, ctx_size=window, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
     con = Console(stderr=True)
     with Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=con, transient=True, disable=as_json) as bar:
         task = bar.add_task("ppl", total=None)
         res = perplexity(m, text, window, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    frac = active_fraction(m)
     if as_json:
-        print(json.dumps({"model": str(m.file.path), "file": str(path)} | res.as_dict()))
+        print(json.dumps({"model": str(m.file.path), "file": str(path), "ffn_mode": m.ffn_mode,
+                          "ffn_active_fraction": frac} | res.as_dict()))
         return
+    extra = f", FFN {m.ffn_mode}" + (f", {frac:.1%} of neurons computed" if frac is not None else "")
     print(f"perplexity: {res.ppl:.4f} +/- {res.stderr:.4f}  ({res.tokens_scored} tokens scored in {res.windows} "
-          f"windows of {res.ctx}, {res.seconds:.1f} s)")
+          f"windows of {res.ctx}, {res.seconds:.1f} s{extra})")
 
 
 def main() -> None:

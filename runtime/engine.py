@@ -62,7 +62,18 @@ class Model:
     tokenizer: GGUFTokenizer
     transformer: Transformer
     threads: int
+    ffn_mode: str = "dense"
     stats: Stats = field(default_factory=Stats)
+
+    def sparsity(self) -> list[float] | None:
+        """Per layer, the fraction of neurons computed so far (None for dense models)."""
+        out = []
+        for b in self.transformer.blocks:
+            st = getattr(b.ffn, "stats", None)
+            if st is None:
+                return None
+            out.append(st.active / (st.tokens * self.cfg.n_ff) if st.tokens else 0.0)
+        return out
 
     @property
     def ctx_size(self) -> int:
@@ -148,12 +159,15 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 
 
 def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
-               dtype: str = "f32", quantized: bool = True, ffn_act: str | None = None, progress=None) -> Model:
+               dtype: str = "f32", quantized: bool = True, ffn_act: str | None = None, ffn_mode: str = "auto",
+               progress=None) -> Model:
     """Open a GGUF/PWRI model and prepare it for generation.
 
     threads: torch intra-op threads (default: all cores). ctx_size: KV cache length (default: the training context,
-    capped at 4096). dtype: activations and dequantised weights (f32, bf16, f16). quantized: keep Q4_0/Q4_1 weights
-    4-bit (exact) instead of dequantising them. ffn_act: override the FFN activation read from the file.
+    capped at 4096). dtype: activations and dequantised weights (f32, bf16, f16). quantized: keep Q4_0/Q4_1/Q8_0
+    weights packed for the int4 kernels instead of dequantising them. ffn_act: override the FFN activation read
+    from the file. ffn_mode: "dense", "sparse" (predictors pick each token's neurons), "oracle" (exact masks), or
+    "auto" (sparse when the file has predictors).
     """
     t0 = time.perf_counter()
     if threads:
@@ -166,8 +180,10 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     ctx = ctx_size or min(cfg.n_ctx_train, 4096)
     if ctx <= 0:
         raise PinferError(f"--ctx-size must be positive, got {ctx}")
+    if ffn_mode == "auto":
+        ffn_mode = "sparse" if cfg.has_predictors else "dense"
     with torch.inference_mode():
-        tr = load_transformer(f, cfg, DTYPES[dtype], ctx, quantized, progress)
-    m = Model(f, cfg, tok, tr, torch.get_num_threads())
+        tr = load_transformer(f, cfg, DTYPES[dtype], ctx, quantized, ffn_mode, progress)
+    m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode)
     m.stats.load_s = time.perf_counter() - t0
     return m

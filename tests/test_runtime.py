@@ -101,8 +101,9 @@ def test_powerinfer_layout_equals_plain_layout(tmp_path):
     assert pc.ffn_act == "relu" and pc.down_transposed and pc.has_predictors  # ReLU decided from the file
     ids = [1, 50, 200, 7, 9, 130]
     a = load_model(tmp_path / "plain.gguf").forward_logits(ids)
-    b = load_model(tmp_path / "pwri.gguf").forward_logits(ids)
+    b = load_model(tmp_path / "pwri.gguf", ffn_mode="dense").forward_logits(ids)
     assert np.abs(a - b).max() < 1e-5
+    assert load_model(tmp_path / "pwri.gguf").ffn_mode == "sparse"  # predictors present: sparse by default
 
 
 def test_ffn_act_flag_overrides_file(tmp_path):

@@ -1,0 +1,81 @@
+"""Activation-sparse FFN execution: decide each token's active neurons, compute only those.
+
+Three ways to decide (a "masker" maps (normed x, pre-norm residual) -> bool [T, n_ff]):
+- predictors: PowerInfer's per-layer Linear -> ReLU -> Linear on the pre-norm residual (pi-run --sparse);
+- exact ReLU masks: gate (and up, for dReLU) computed for every neuron, active iff the activation is > 0
+  (pi-run --oracle-masks, for debugging and for measuring what predictors cost);
+- CATS thresholds for SwiGLU models: active iff |silu(gate)| > the layer's threshold (written by
+  pi-profile --sparsity S); exact with --oracle-masks, predicted with --sparse.
+
+Masks are per token. For one token the FFN runs on its own active set (runtime.sparse_ffn.ffn_sparse). For several
+tokens (prefill, perplexity) it runs on the union of their sets and then zeroes each token's inactive neurons, so a
+token's result never depends on which other tokens share its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .predictor import Predictor
+from .sparse_ffn import FFNWeights, ffn_masked, ffn_sparse
+
+
+def gate_up_all(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
+    """(T, n_ff, 2) gate and up pre-activations of every neuron (the dense part of an exact mask)."""
+    return F.linear(x.to(w.dtype), w.gate_up.view(2 * w.n_ff, w.n_embd)).view(-1, w.n_ff, 2)
+
+
+class PredictorMasker:
+    def __init__(self, pred: Predictor):
+        self.pred = pred
+
+    def __call__(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        return self.pred.mask(resid)
+
+
+class ReluOracleMasker:
+    """Exact: neuron i is active iff its post-activation value is > 0."""
+
+    def __call__(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        a = gate_up_all(w, x)
+        if w.act == "drelu":
+            return (a[..., 0] > 0) & (a[..., 1] > 0)
+        return a[..., 0] > 0
+
+
+class CatsOracleMasker:
+    """Exact CATS: neuron i is active iff |silu(gate_i)| > threshold."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def __call__(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate_up_all(w, x)[..., 0]).abs() > self.threshold
+
+
+@dataclass
+class SparsityStats:
+    tokens: int = 0  # token-layer evaluations
+    active: int = 0  # active neurons summed over them
+
+    def add(self, mask: torch.Tensor) -> None:
+        self.tokens += mask.shape[0]
+        self.active += int(mask.sum())
+
+
+@dataclass
+class SparseFFN:
+    w: FFNWeights
+    masker: object
+    stats: SparsityStats = field(default_factory=SparsityStats)
+
+    def __call__(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.w.dtype)
+        mask = self.masker(self.w, x, resid)  # (T, n_ff) bool
+        self.stats.add(mask)
+        if x.shape[0] == 1:
+            return ffn_sparse(self.w, x, mask[0].nonzero().view(-1))
+        return ffn_masked(self.w, x, mask)

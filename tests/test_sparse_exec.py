@@ -1,0 +1,109 @@
+"""Sparse FFN execution in the runtime: exact masks reproduce dense, predictors are applied per token."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from formats import constants as C
+from formats.model_writer import write_llama
+from formats.synth import SynthSpec, generate
+from runtime import load_model
+from tests.tiny import random_weights, tiny_config
+
+
+@pytest.fixture(scope="module", params=["relu", "drelu"])
+def planted(request, tmp_path_factory):
+    """A tiny planted model at 90% sparsity: unions of a few tokens stay sparse, so every sparse path runs."""
+    path = tmp_path_factory.mktemp("planted") / f"{request.param}.gguf"
+    generate(path, SynthSpec(n_layer=2, n_embd=64, n_ff=512, n_head=4, n_head_kv=2, vocab="bytes",
+                             sparsity=0.9, variant=request.param, seed=1, calib_tokens=512, calib_seq_len=64))
+    return path
+
+
+def decode_logits(m, ids: list[int], prefill: int) -> np.ndarray:
+    """Logits of every position, prefilling `prefill` tokens then decoding one token at a time."""
+    tr = m.transformer
+    with torch.inference_mode():
+        out = [tr.forward(torch.tensor(ids[:prefill]), 0, all_logits=True)]
+        for p in range(prefill, len(ids)):
+            out.append(tr.forward(torch.tensor([ids[p]]), p))
+    return torch.cat(out).numpy()
+
+
+def test_oracle_masks_equal_dense(planted):
+    """ReLU/dReLU with exact masks: prefill (union + per-row masks) and decode (own mask) equal dense."""
+    dense = load_model(planted, ffn_mode="dense")
+    oracle = load_model(planted, ffn_mode="oracle")
+    ids = list(np.random.default_rng(0).integers(3, 250, 24))
+    ref = dense.forward_logits(ids)
+    assert np.abs(oracle.forward_logits(ids) - ref).max() < 1e-4
+    for prefill in (1, 3):  # 3-token prefill: a sparse union; then single-token decode steps
+        assert np.abs(decode_logits(oracle, ids, prefill) - ref).max() < 1e-4
+    frac = oracle.sparsity()
+    assert all(0.03 < f < 0.2 for f in frac), frac  # ~10% of neurons computed: the sparse paths really ran
+
+
+def test_cats_oracle_equals_thresholded_dense(tmp_path):
+    cfg = tiny_config(ffn_act="silu")
+    w = random_weights(cfg, seed=4, scale=0.2)
+    thr = [0.05, 0.08]
+    write_llama(tmp_path / "m.gguf", cfg, w, extra_metadata={C.CATS_THRESHOLD: np.array(thr, np.float32)})
+    oracle = load_model(tmp_path / "m.gguf", ffn_mode="oracle")
+    ref = load_model(tmp_path / "m.gguf", ffn_mode="dense")
+    for b, t in zip(ref.transformer.blocks, thr):  # reference: the dense FFN with sub-threshold neurons zeroed
+        dense_ffn = b.ffn
+
+        def masked(x, resid, ffn=dense_ffn, t=t):
+            gu = ffn.gate_up(x)
+            g, u = gu[:, :ffn.n_ff], gu[:, ffn.n_ff:]
+            return ffn.down(F.silu(g) * u * (F.silu(g).abs() > t))
+
+        b.ffn = masked
+    ids = list(range(10, 80, 5))
+    a, r = oracle.forward_logits(ids), ref.forward_logits(ids)
+    assert np.abs(a - r).max() < 1e-4
+    assert np.abs(a - load_model(tmp_path / "m.gguf", ffn_mode="dense").forward_logits(ids)).max() > 1e-3
+
+
+def test_predictor_masks_are_applied_per_token(tmp_path):
+    """--sparse equals the dense FFN with each token's predicted mask, in prefill and in decode."""
+    cfg = tiny_config(ffn_act="relu")
+    w = random_weights(cfg, seed=6, scale=0.2)
+    rng = np.random.default_rng(0)
+    r = 8
+    for i in range(cfg.n_layer):
+        w[C.tensor(C.PRED_FC1, i)] = (rng.standard_normal((r, cfg.n_embd)) * 0.3).astype(np.float16)
+        w[C.tensor(C.PRED_FC2, i)] = (rng.standard_normal((cfg.n_ff, r)) * 0.3).astype(np.float16)
+    write_llama(tmp_path / "m.gguf", cfg, w, extra_metadata={C.SPARSE_THRESHOLD: 0.02})
+    sp = load_model(tmp_path / "m.gguf")
+    assert sp.ffn_mode == "sparse"
+    ref = load_model(tmp_path / "m.gguf", ffn_mode="dense")
+    for i, b in enumerate(ref.transformer.blocks):
+        fc1 = torch.tensor(w[C.tensor(C.PRED_FC1, i)]).float()
+        fc2 = torch.tensor(w[C.tensor(C.PRED_FC2, i)]).float()
+        dense_ffn = b.ffn
+
+        def masked(x, resid, ffn=dense_ffn, fc1=fc1, fc2=fc2):
+            keep = (F.relu(resid @ fc1.T) @ fc2.T) >= 0.02
+            return ffn.down(ffn.hidden(x) * keep)
+
+        b.ffn = masked
+    ids = list(range(20, 60, 3))
+    want = ref.forward_logits(ids)
+    assert np.abs(sp.forward_logits(ids) - want).max() < 1e-4
+    assert np.abs(decode_logits(sp, ids, 2) - want).max() < 1e-4
+    assert 0.05 < np.mean(sp.sparsity()) < 0.95
+
+
+def test_sparse_without_predictors_says_what_to_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from runtime.cli import app
+
+    cfg = tiny_config(ffn_act="relu")
+    write_llama(tmp_path / "m.gguf", cfg, random_weights(cfg))
+    res = CliRunner().invoke(app, [str(tmp_path / "m.gguf"), "-p", "hi", "--sparse"])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "pi-profile" in res.output and "--train-predictors" in res.output
+    assert len(res.output.strip().splitlines()) == 1
