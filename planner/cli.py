@@ -63,7 +63,7 @@ def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, 
                status=contextlib.nullcontext) -> PlanResult:
     """Solve, check and (unless write=False) write a plan; everything is validated before anything is written."""
     if not hw.gpus:
-        raise PinferError("no GPU given: pass --gpu NAME (see `pi-plan gpus`) or a --hw file with [[gpu]]")
+        raise PinferError("no GPU given: pass --gpu NAME (see `pi-plan gpus`) or a --hw file with a [[gpu]] table")
     if objective not in OBJECTIVES:
         raise PinferError(f"unknown --objective '{objective}' (one of {', '.join(OBJECTIVES)})")
     f = open_gguf(model)
@@ -181,8 +181,8 @@ CpuBwOpt = Annotated[float | None, typer.Option("--cpu-bw", help="CPU memory ban
 RamOpt = Annotated[float | None, typer.Option("--host-ram", help="host RAM, GiB (default: detected)")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx-size", help="context size; its KV cache counts against "
                                                                   "memory (default: the model's)")]
-HwOpt = Annotated[Path | None, typer.Option("--hw", help="TOML file describing the machine ([cpu], [pcie], "
-                                                           "[engine], [[gpu]])")]
+HwOpt = Annotated[Path | None, typer.Option("--hw", help="TOML file describing the machine: cpu, pcie and engine "
+                                                        "tables, a gpu array of tables")]
 ActOpt = Annotated[Path | None, typer.Option("--activations", help="PowerInfer activation/ directory "
                                                                      "(activation_N.pt) instead of the file's "
                                                                      "statistics")]

@@ -30,6 +30,7 @@ costmodel.evaluate: the reported time is the cost model's, never the ILP's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -83,10 +84,8 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
         return Solution(plan, evaluate(p, plan), objective, solver, "optimal", 0.0, 0.0, 0.0, 0.0, 0, 0,
                         ["no GPU: everything on the CPU"])
     t0 = time.perf_counter()
+    start = _start_plan(p, solver, time_limit, gap, threads) if objective == "time" and not exact else None
     prob, v = build_model(p, objective, fixed_dense, exact)
-    start = heuristic_plan(p) if objective == "time" and not exact else None
-    if start is not None and not evaluate(p, start).fits:
-        start = None
     if start is not None:
         set_start(p, v, start)
     engine = _solver(solver, time_limit, gap, threads, warm_start=start is not None)
@@ -106,11 +105,66 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
     status = _checked_status(prob, solver, time_limit)
     value = float(pulp.value(prob.objective) or 0.0)
     plan = _polish(p, v, objective)
+    ev = evaluate(p, plan)
     notes = []
+    if start is not None:  # CBC started from it, so it can only be better by the polish's last-neuron rounding
+        start_ev = evaluate(p, start)
+        if start_ev.time < ev.time:
+            plan, ev = dataclasses.replace(start, name=plan.name), start_ev
     if status != "optimal":
         notes.append(f"{solver} stopped at the {time_limit:g} s time limit with gap {bound_gap:.2%}")
-    return Solution(plan, evaluate(p, plan), objective, solver, status, bound_gap, value, build_s, solve_s,
+    return Solution(plan, ev, objective, solver, status, bound_gap, value, build_s, solve_s,
                     len(prob.variables()), prob.numConstraints(), notes)
+
+
+COARSE_STEPS = 3  # breakpoints per doubling of the neuron count in the coarse model that seeds a fine one
+
+
+def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads: int | None) -> Plan | None:
+    """A good integer solution for the solver to start from, or None.
+
+    The Lagrangian heuristic (warmstart.py) is near-optimal when layers differ, but where many alike layers tie
+    between "attention on the GPU" and "more neurons" it can land a few tenths of a percent off, and CBC then
+    branches on LPs of tens of thousands of rows. A coarse ILP settles those choices in a fraction of a second: the
+    same model with breakpoints spaced geometrically (every group at the hot end, where the prefix-mass curve bends
+    most, then COARSE_STEPS per doubling), ~20x fewer rows. Its polished plan is a valid start for the fine model.
+    """
+    from .baselines import all_baselines  # here: baselines import nothing of ours, but keep ilp importable alone
+
+    candidates = [heuristic_plan(p)] + [b.plan for b in all_baselines(p).values() if b.time is not None]
+    if p.bounds is None and max(len(p.breakpoints(l)) for l in range(p.model.n_layer)) > 64:
+        coarse = dataclasses.replace(p, bounds=[_geometric(p.breakpoints(l)) for l in range(p.model.n_layer)])
+        with contextlib.suppress(PinferError):
+            candidates.append(solve(coarse, "time", solver, time_limit, gap, threads).plan)
+    best, best_time = None, math.inf
+    for plan in candidates:
+        if plan is None:
+            continue
+        plan = _respect_min_neurons(p, plan)
+        ev = evaluate(p, plan)
+        if ev.fits and ev.time < best_time:
+            best, best_time = plan, ev.time
+    return best
+
+
+def _geometric(bounds: np.ndarray) -> np.ndarray:
+    """Every breakpoint among the first eight, then COARSE_STEPS per doubling, and the last."""
+    idx = np.unique(np.concatenate([np.arange(min(8, len(bounds))),
+                                    np.geomspace(8, len(bounds) - 1, num=max(2, int(COARSE_STEPS * np.log2(
+                                        max(len(bounds) / 8, 2)))) + 1).astype(int), [len(bounds) - 1]]))
+    return bounds[idx[idx < len(bounds)]]
+
+
+def _respect_min_neurons(p: Problem, plan: Plan) -> Plan:
+    """Drop GPU neurons that are fewer than the layer's C_l where nothing else of the layer is on a GPU (never
+    slower, and the ILP's cut would reject the start otherwise)."""
+    plan = dataclasses.replace(plan, n_gpu=plan.n_gpu.copy(), ffn_gpu=plan.ffn_gpu.copy())
+    for l, lb in enumerate(p.model.layers):
+        k, g = int(plan.n_gpu[l]), int(plan.ffn_gpu[l])
+        dense_on_cpu = plan.attn[l] == CPU and (not lb.has_predictor or plan.pred[l] == CPU)
+        if 0 < k < lb.n_ff and dense_on_cpu and k < p.c_min[l, g]:
+            plan.n_gpu[l], plan.ffn_gpu[l] = 0, CPU
+    return plan
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -186,10 +240,10 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
         prob += n_split[l, g] <= N[l] * split_mode[l, g], f"split_neurons_{l}_{g}"
     for l in layers:
         if exact:
-            _prefix_groups(prob, l, gpus, n_split, m_split, split_mode, p.prefix[l], p.group)
+            _prefix_groups(prob, l, gpus, n_split, m_split, split_mode, p.prefix[l], p.breakpoints(l))
         else:
             _prefix_rows(prob, l, [(m_split[l, g], n_split[l, g], split_mode[l, g]) for g in gpus], p.prefix[l],
-                         p.group)
+                         p.breakpoints(l))
 
     # The paper's per-layer minimum (a valid cut here, see costmodel.min_gpu_neurons).
     if objective == "time":
@@ -250,14 +304,12 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
     return prob, Vars(attn_on, pred_on, out_on, cpu_ffn, full, split_mode, n_split, m_split, ffn_time, split)
 
 
-def _prefix_rows(prob: pulp.LpProblem, l: int, per_gpu: list, prefix: np.ndarray, group: int) -> None:
+def _prefix_rows(prob: pulp.LpProblem, l: int, per_gpu: list, prefix: np.ndarray, bounds: np.ndarray) -> None:
     """m <= P(b_k) z + s_k (n - b_k z) for each group k, summed over GPUs (only one can be in split mode).
 
     Written without PuLP's operator overloading: a 70B model has 80 x 448 of these rows, which take 2 s to build
     through expressions and 0.5 s directly. Consecutive groups of equal slope share a row.
     """
-    n_ff = len(prefix) - 1
-    bounds = np.append(np.arange(0, n_ff, group), n_ff)
     pb = prefix[bounds]
     slopes = np.diff(pb) / np.diff(bounds)
     last = None
@@ -294,7 +346,7 @@ def set_start(p: Problem, v: Vars, plan: Plan) -> None:
             v.full[l, g].setInitialValue(1)
             used.add(g)
         else:
-            bounds = np.append(np.arange(0, N, p.group), N)
+            bounds = p.breakpoints(l)
             mass = float(np.interp(k, bounds, p.prefix[l][bounds]))  # the ILP's prefix curve, below the true one
             v.split_mode[l, g].setInitialValue(1)
             v.n_split[l, g].setInitialValue(k)
@@ -308,11 +360,9 @@ def set_start(p: Problem, v: Vars, plan: Plan) -> None:
                 v.split[l, h].setInitialValue(1)
 
 
-def _prefix_groups(prob, l, gpus, n_split, m_split, split_mode, prefix: np.ndarray, group: int) -> None:
+def _prefix_groups(prob, l, gpus, n_split, m_split, split_mode, prefix: np.ndarray, bounds: np.ndarray) -> None:
     """Exact variant: a binary per group, in prefix order, so counts and masses are exactly those of whole groups.
     Tens of thousands of binaries on a 70B model: for small models and for checking the relaxation."""
-    n_ff = len(prefix) - 1
-    bounds = np.append(np.arange(0, n_ff, group), n_ff)
     sizes, masses = np.diff(bounds), np.diff(prefix[bounds])
     for g in gpus:
         on = prob.add_variable_dicts(f"group_on_{l}_{g}", range(len(sizes)), cat="Binary")

@@ -35,6 +35,14 @@ class Problem:
     budgets: list[int]  # per GPU: VRAM bytes for model parts (the GPU's budget less its workspace)
     host_budget: int  # host bytes for model parts (RAM less host-only tensors and the process reserve)
     group: int
+    bounds: list[np.ndarray] | None = None  # per layer: the ILP's prefix breakpoints, if not every `group` neurons
+
+    def breakpoints(self, l: int) -> np.ndarray:  # noqa: E741
+        """Neuron counts at which the ILP's prefix-mass curve bends: 0, group, 2*group, ..., n_ff."""
+        if self.bounds is not None:
+            return self.bounds[l]
+        n_ff = len(self.prefix[l]) - 1
+        return np.append(np.arange(0, n_ff, self.group), n_ff)
 
     @property
     def mass(self) -> np.ndarray:

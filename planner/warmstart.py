@@ -62,7 +62,7 @@ def heuristic_plan(p: Problem) -> Plan | None:
     options = []  # per layer: list of (a, pr, hull ks, hull times incl. dense parts, dense bytes, neuron bytes)
     for l, lb in enumerate(m.layers):
         preds = (CPU, g) if lb.has_predictor else (CPU,)
-        ks = np.append(np.arange(0, lb.n_ff, p.group), lb.n_ff)  # group boundaries, as the ILP sees them
+        ks = p.breakpoints(l)  # group boundaries, as the ILP sees them
         opts = []
         for a in (CPU, g):
             for pr in preds:
