@@ -25,12 +25,13 @@ from formats.errors import PinferError, report
 from formats.reader import open_gguf
 
 from . import report as out
+from .activations import load_activations
 from .baselines import Baseline, all_baselines
 from .hardware import Hardware, gpu_table, lookup_gpu, resolve_hardware
 from .ilp import OBJECTIVES, SOLVERS, Solution, solve
 from .memory import account
 from .planfile import copy_plan, export_gpuidx, fingerprint, gpuidx_path, plan_metadata, read_plan, write_plan
-from .problem import DEFAULT_GROUP, Problem, build_problem
+from .problem import DEFAULT_GROUP, KV_TYPES, Problem, build_problem
 
 PROG = "pi-plan"
 COMMANDS = ("plan", "compare", "skeleton", "show", "apply", "gpus", "calibration")
@@ -59,7 +60,7 @@ class PlanResult:
 def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, act_dir: str | Path | None = None,
                act_tokens: int | None = None, objective: str = "time", group: int = DEFAULT_GROUP,
                solver: str = "cbc", time_limit: float = 30.0, gap: float = 1e-3, exact: bool = False,
-               output: str | Path | None = None, write: bool = True, export: bool = False,
+               output: str | Path | None = None, write: bool = True, export: bool = False, kv_type: str = "f16",
                status=contextlib.nullcontext) -> PlanResult:
     """Solve, check and (unless write=False) write a plan; everything is validated before anything is written."""
     if not hw.gpus:
@@ -67,7 +68,8 @@ def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, 
     if objective not in OBJECTIVES:
         raise PinferError(f"unknown --objective '{objective}' (one of {', '.join(OBJECTIVES)})")
     f = open_gguf(model)
-    p = build_problem(f, hw, ctx_size=ctx_size, act_dir=act_dir, act_tokens=act_tokens, group=group)
+    p = build_problem(f, hw, ctx_size=ctx_size, act_dir=act_dir, act_tokens=act_tokens, group=group,
+                      kv_type=kv_type)
     baselines = all_baselines(p)
     fixed = baselines["powerinfer"].plan if objective == "hot-mass" else None
     with status(f"solving the placement ILP ({p.model.n_layer} layers, {solver})"):
@@ -94,7 +96,7 @@ def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, 
 def compare_gpus(model: str | Path, gpus: list[str], *, hw_options: dict | None = None,
                  ctx_size: int | None = None, act_dir: str | Path | None = None, act_tokens: int | None = None,
                  group: int = DEFAULT_GROUP, solver: str = "cbc", time_limit: float = 30.0, gap: float = 1e-3,
-                 progress=None) -> dict:
+                 kv_type: str = "f16", progress=None) -> dict:
     """One row per GPU (or `a+b` for several GPUs in one host), all with the same CPU. Writes nothing."""
     if not gpus:
         raise PinferError("compare needs at least one --gpu NAME (see `pi-plan gpus`)")
@@ -104,7 +106,10 @@ def compare_gpus(model: str | Path, gpus: list[str], *, hw_options: dict | None 
             lookup_gpu(n)
     hw_options = hw_options or {}
     f = open_gguf(model)
-    m = account(f, ctx_size)
+    if kv_type not in KV_TYPES:
+        raise PinferError(f"unknown --kv-type '{kv_type}' (one of {', '.join(KV_TYPES)})")
+    m = account(f, ctx_size, KV_TYPES[kv_type])
+    load_activations(f, m.n_ff, act_dir, act_tokens)  # bad statistics stop the comparison before any solving
     rows, cpu = [], None
     for names in specs:
         label = "+".join(names)
@@ -113,7 +118,8 @@ def compare_gpus(model: str | Path, gpus: list[str], *, hw_options: dict | None 
         hw = resolve_hardware(names, **hw_options)
         cpu = hw.cpu
         try:
-            p = build_problem(f, hw, ctx_size=ctx_size, act_dir=act_dir, act_tokens=act_tokens, group=group)
+            p = build_problem(f, hw, ctx_size=ctx_size, act_dir=act_dir, act_tokens=act_tokens, group=group,
+                              kv_type=kv_type)
             baselines = all_baselines(p)
             sol = solve(p, "time", solver, time_limit, gap)
             rows.append(out.compare_row(label, p, sol, baselines))
@@ -179,6 +185,8 @@ CoresOpt = Annotated[int | None, typer.Option("--cpu-cores", help="CPU cores (de
 CpuBwOpt = Annotated[float | None, typer.Option("--cpu-bw", help="CPU memory bandwidth, GB/s (default: "
                                                                    "measured once and cached)")]
 RamOpt = Annotated[float | None, typer.Option("--host-ram", help="host RAM, GiB (default: detected)")]
+KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache element type: f16 (llama.cpp, PowerInfer), f32 "
+                                                     "(pinfer's CPU runtime) or q8_0")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx-size", help="context size; its KV cache counts against "
                                                                   "memory (default: the model's)")]
 HwOpt = Annotated[Path | None, typer.Option("--hw", help="TOML file describing the machine: cpu, pcie and engine "
@@ -207,8 +215,8 @@ def _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw_file, calibration)
 def plan_cmd(
     model: Annotated[Path, typer.Argument(help="GGUF model (or skeleton) with activation statistics")],
     gpu: GpuOpt = None, vram_budget: VramOpt = None, pcie_bw: PcieOpt = None, cpu_cores: CoresOpt = None,
-    cpu_bw: CpuBwOpt = None, host_ram: RamOpt = None, ctx_size: CtxOpt = None, hw: HwOpt = None,
-    activations: ActOpt = None, act_tokens: ActTokOpt = None,
+    cpu_bw: CpuBwOpt = None, host_ram: RamOpt = None, ctx_size: CtxOpt = None, kv_type: KvOpt = "f16",
+    hw: HwOpt = None, activations: ActOpt = None, act_tokens: ActTokOpt = None,
     objective: Annotated[str, typer.Option("--objective", help="time: minimum predicted time per token; hot-mass: "
                                                                "PowerInfer's objective, for comparison")] = "time",
     group: GroupOpt = DEFAULT_GROUP, solver: SolverOpt = "cbc", time_limit: TimeOpt = 30.0, gap: GapOpt = 1e-3,
@@ -227,7 +235,7 @@ def plan_cmd(
         machine = resolve_hardware(gpu, **opts)
         result = plan_model(model, machine, ctx_size=ctx_size, act_dir=activations, act_tokens=act_tokens,
                             objective=objective, group=group, solver=solver, time_limit=time_limit, gap=gap,
-                            exact=exact, output=output, write=not dry_run, export=export_gpuidx,
+                            exact=exact, output=output, write=not dry_run, export=export_gpuidx, kv_type=kv_type,
                             status=_status(not json_out and sys.stderr.isatty()))
         d = result.to_dict()
         if json_out:
@@ -240,8 +248,8 @@ def plan_cmd(
 def compare_cmd(
     model: Annotated[Path, typer.Argument(help="GGUF model (or skeleton) with activation statistics")],
     gpu: GpuOpt = None, vram_budget: VramOpt = None, pcie_bw: PcieOpt = None, cpu_cores: CoresOpt = None,
-    cpu_bw: CpuBwOpt = None, host_ram: RamOpt = None, ctx_size: CtxOpt = None, hw: HwOpt = None,
-    activations: ActOpt = None, act_tokens: ActTokOpt = None, group: GroupOpt = DEFAULT_GROUP,
+    cpu_bw: CpuBwOpt = None, host_ram: RamOpt = None, ctx_size: CtxOpt = None, kv_type: KvOpt = "f16",
+    hw: HwOpt = None, activations: ActOpt = None, act_tokens: ActTokOpt = None, group: GroupOpt = DEFAULT_GROUP,
     solver: SolverOpt = "cbc", time_limit: TimeOpt = 30.0, gap: GapOpt = 1e-3, json_out: JsonOpt = False,
     calibration: CalOpt = True, verbose: VerboseOpt = False,
 ):
@@ -251,7 +259,8 @@ def compare_cmd(
         labels = gpu or []
         if json_out or not sys.stderr.isatty():
             d = compare_gpus(model, labels, hw_options=opts, ctx_size=ctx_size, act_dir=activations,
-                             act_tokens=act_tokens, group=group, solver=solver, time_limit=time_limit, gap=gap)
+                             act_tokens=act_tokens, group=group, solver=solver, time_limit=time_limit, gap=gap,
+                             kv_type=kv_type)
         else:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -267,7 +276,7 @@ def compare_cmd(
 
                 d = compare_gpus(model, labels, hw_options=opts, ctx_size=ctx_size, act_dir=activations,
                                  act_tokens=act_tokens, group=group, solver=solver, time_limit=time_limit, gap=gap,
-                                 progress=tick)
+                                 kv_type=kv_type, progress=tick)
         if json_out:
             print(json.dumps(d, indent=1))
         else:

@@ -21,9 +21,13 @@ GPU and the CPU (split[l, g] >= every "uses GPU g" + "uses the CPU" - 1). Memory
 budget, everything else within host RAM. The paper's C_l enters as n_split >= C_l * (split_mode - attn_on - pred_on)
 (see costmodel.min_gpu_neurons).
 
-Relaxing m_split below P_l(n_split) never gains time (a prefix with the same mass or the balance point does as well
-with less VRAM), so `_polish` turns the LP's fractional counts into exact prefixes and evaluates them with
-costmodel.evaluate: the reported time is the cost model's, never the ILP's.
+Relaxing m_split below P_l(n_split) gains at most one neuron's worth per layer (a prefix with the same mass, or the
+balance point, does as well with less VRAM, up to rounding to whole neurons), so `_polish` turns the LP's values
+into exact whole-neuron prefixes and evaluates them with costmodel.evaluate: the reported time is always the cost
+model's, never the ILP's. `exact=True` uses a binary per group instead (tests compare it with brute force).
+
+CBC starts from the best of a Lagrangian heuristic, the feasible baselines and a coarse solve (see _start_plan), so
+its root LP usually closes the gap at once, and the plan returned is never worse than any of them.
 """
 # ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
@@ -45,6 +49,7 @@ import pulp
 
 from formats.errors import PinferError
 
+from .baselines import all_baselines
 from .costmodel import Evaluation, evaluate
 from .plan import CPU, Plan
 from .problem import Problem
@@ -129,8 +134,6 @@ def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads:
     same model with breakpoints spaced geometrically (every group at the hot end, where the prefix-mass curve bends
     most, then COARSE_STEPS per doubling), ~20x fewer rows. Its polished plan is a valid start for the fine model.
     """
-    from .baselines import all_baselines  # here: baselines import nothing of ours, but keep ilp importable alone
-
     candidates = [heuristic_plan(p)] + [b.plan for b in all_baselines(p).values() if b.time is not None]
     if p.bounds is None and max(len(p.breakpoints(l)) for l in range(p.model.n_layer)) > 64:
         coarse = dataclasses.replace(p, bounds=[_geometric(p.breakpoints(l)) for l in range(p.model.n_layer)])

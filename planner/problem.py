@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 
 from formats.errors import PinferError
 from formats.reader import GGUFFile, open_gguf
@@ -21,6 +22,8 @@ from .hardware import GIB, Hardware
 from .memory import ModelBytes, account
 
 DEFAULT_GROUP = 64
+# KV cache element types: llama.cpp and PowerInfer keep f16; pinfer's CPU runtime keeps its activation dtype (f32).
+KV_TYPES = {"f16": GGMLQuantizationType.F16, "f32": GGMLQuantizationType.F32, "q8_0": GGMLQuantizationType.Q8_0}
 
 
 @dataclass
@@ -55,12 +58,15 @@ class Problem:
 
 def build_problem(model: str | os.PathLike | GGUFFile, hw: Hardware, *, ctx_size: int | None = None,
                   act_dir: str | os.PathLike | None = None, act_tokens: int | None = None,
-                  group: int = DEFAULT_GROUP, activations: Activations | None = None) -> Problem:
+                  group: int = DEFAULT_GROUP, activations: Activations | None = None,
+                  kv_type: str = "f16") -> Problem:
     """The planning problem for `model` on `hw`; `activations` overrides the statistics (calibration uses it)."""
     f = model if isinstance(model, GGUFFile) else open_gguf(model)
     if group < 1:
         raise PinferError(f"--group must be at least 1, got {group}")
-    mb = account(f, ctx_size)
+    if kv_type not in KV_TYPES:
+        raise PinferError(f"unknown --kv-type '{kv_type}' (one of {', '.join(KV_TYPES)})")
+    mb = account(f, ctx_size, KV_TYPES[kv_type])
     act = activations or load_activations(f, mb.n_ff, act_dir, act_tokens)
     order, prefix = [], []
     for freq in act.freq:
