@@ -151,3 +151,13 @@ SKELETON_TENSOR_NAMES = "pinfer.skeleton.tensor_names"  # str array [n]
 SKELETON_TENSOR_TYPES = "pinfer.skeleton.tensor_types"  # u32 array [n]: GGMLQuantizationType
 SKELETON_TENSOR_N_DIMS = "pinfer.skeleton.tensor_n_dims"  # u32 array [n]
 SKELETON_TENSOR_NE = "pinfer.skeleton.tensor_ne"  # u64 array [4 n]: ggml ne, padded with 1 to four dims
+
+# profile
+# Predictors written by pi-profile --train-predictors, beside PowerInfer's blk.N.fc1/fc2 and its sparse_threshold.
+# Per-layer thresholds, when present, replace powerinfer.sparse_threshold; pi-profile writes them only when one global
+# threshold cannot serve every layer (it normally rescales fc2 so that one does).
+PRED_THRESHOLDS = "pinfer.predictor.threshold"  # f32 [n_layer]
+PRED_RECALL = "pinfer.predictor.recall"  # f32 [n_layer]: recall of the stored predictors on held-out profiled tokens
+PRED_PRECISION = "pinfer.predictor.precision"  # f32 [n_layer]: precision on the same tokens
+PRED_RECALL_TARGET = "pinfer.predictor.recall_target"  # f32: the --recall the thresholds were set for
+PRED_SOURCE = "pinfer.predictor.source"  # str: "pi-profile" (trained) or "imported: DIR"

@@ -42,11 +42,23 @@ def sparse_threshold(f: GGUFFile) -> float:
     return float(f.get(C.SPARSE_THRESHOLD, 0.0))
 
 
+def layer_thresholds(f: GGUFFile, n_layer: int) -> list[float]:
+    """Each layer's threshold: pinfer.predictor.threshold [n_layer] when the file has it (pi-profile writes it only
+    when one global threshold cannot serve every layer), else powerinfer.sparse_threshold for all."""
+    per_layer = f.get(C.PRED_THRESHOLDS)
+    if per_layer is None:
+        return [sparse_threshold(f)] * n_layer
+    if len(per_layer) != n_layer:
+        raise PinferError(f"{f.path}: {C.PRED_THRESHOLDS} has {len(per_layer)} entries for {n_layer} layers; "
+                          f"rerun pi-profile --train-predictors")
+    return [float(t) for t in per_layer]
+
+
 def load_predictors(f: GGUFFile, n_layer: int, dtype: torch.dtype = torch.float32) -> list[Predictor]:
     """Every layer's predictor from a file; raises if any layer lacks one."""
     from .linear import dequantize
 
-    thr = sparse_threshold(f)
+    thr = layer_thresholds(f, n_layer)
     preds = []
     for i in range(n_layer):
         n1, n2 = C.tensor(C.PRED_FC1, i), C.tensor(C.PRED_FC2, i)
@@ -57,5 +69,5 @@ def load_predictors(f: GGUFFile, n_layer: int, dtype: torch.dtype = torch.float3
         if fc1.shape[0] != fc2.shape[1]:
             raise PinferError(f"{f.path}: predictor of layer {i} has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}, "
                               f"which do not chain")
-        preds.append(Predictor(fc1.contiguous(), fc2.contiguous(), thr))
+        preds.append(Predictor(fc1.contiguous(), fc2.contiguous(), thr[i]))
     return preds

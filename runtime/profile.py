@@ -1,26 +1,25 @@
 """Activation profiling, CATS thresholds and predictor training: what pi-profile does, as plain functions.
 
     windows, desc = corpus_windows(model.tokenizer, builtin_corpus(), ctx=512)
-    rule = activation_rule(model.cfg)                       # ReLU family: active iff the activation is > 0
-    prof = profile(model, windows, rule, sample_tokens=4096)  # counts [n_layer, n_ff] + sampled (x, mask) pairs
-    preds = [train_layer(prof.samples[l], ...) for l in range(n_layer)]
-    write_results(model.file, prof, preds, dest)             # atomic rewrite of the GGUF
+    rule = activation_rule(model.cfg, sparsity=None)     # ReLU family; SwiGLU needs a target sparsity
+    prof = profile(model, windows, rule, desc, sample_tokens=8192)   # counts [n_layer, n_ff] + (x, mask) samples
+    preds, threshold = train_predictors(prof, ffn_bytes_per_layer(model.file, model.cfg))
+    meta, tensors, drop = profile_entries(prof, n_layer)  # + predictor_entries(...): one atomic rewrite_gguf
 
-Profiling wraps each block's FFN in a recorder that sees the FFN input (the pre-norm residual, which predictors
-read) and the gate/up pre-activations, counts active neurons on every token, and keeps a fixed random subset of
-tokens as training pairs (x, active mask) so memory is bounded whatever the corpus size.
+Profiling runs the model layer by layer over all token windows, sees each FFN's input (the pre-norm residual, which
+predictors read) and its gate/up pre-activations, counts the active neurons of every token, and keeps a fixed random
+subset of tokens as training pairs (x, active mask), so memory is bounded whatever the corpus size.
 
-"Active" (ACT_RULE):
-- ReLU family (ReGLU, dReLU): the activation is > 0, i.e. relu(gate) > 0 (and relu(up) > 0 for dReLU). Exactly
-  the neurons whose output h = act(gate) * up can be nonzero, so skipping the others is exact.
-- SwiGLU: nothing is exactly zero, so there is no notion of active without a threshold. With a target sparsity S,
-  a per-layer threshold t_l on |silu(gate)| is calibrated CATS-style (the S-quantile of |silu(gate)| over every
-  token and neuron of the layer, from a log-spaced histogram in a first pass) and active means |silu(gate)| > t_l.
+"Active" (stored as pinfer.activation.rule):
+- ReLU family (ReGLU, dReLU), "relu>0": relu(gate) > 0 (and relu(up) > 0 for dReLU), i.e. exactly the neurons
+  whose output act(gate) * up can be nonzero, so skipping the others is exact.
+- SwiGLU, "|silu(gate)|>thr": nothing is exactly zero, so "active" needs a threshold. For a target sparsity S each
+  layer's threshold t_l is the S-quantile of |silu(gate)| over every token and neuron of the corpus (CATS), and a
+  neuron is active iff |silu(gate)| > t_l.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import math
@@ -48,9 +47,9 @@ SPLIT_BLOCK = 32  # sampled tokens are split into train/calibration/test in runs
 SPLIT = (0.7, 0.15, 0.15)  # train / calibration (threshold, ladder choice) / test (reported numbers)
 MIN_TRAIN_TOKENS = 1000  # profiled tokens needed to train predictors (about 150 held out for each of calib/test)
 DEFAULT_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
-DEFAULT_RECALL = 0.99
-# CATS histogram of |silu(gate)|: log-spaced bins; values below the first edge (incl. exact zeros) go to bin 0.
-HIST_LO, HIST_HI, HIST_BINS = 1e-7, 1e3, 8192
+DEFAULT_RECALL = 0.95
+SCORE_SCALE = 8.0
+CACHE_BYTES = 1 << 30  # SwiGLU: a layer's gate/up and |silu(gate)| for all tokens are kept up to this size
 
 
 # --- corpus -----------------------------------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ class ActivationRule:
 
 
 def activation_rule(cfg: ModelConfig, sparsity: float | None = None) -> ActivationRule:
-    """The rule for this model; SwiGLU needs --sparsity (thresholds are filled in by calibrate_cats)."""
+    """The rule for this model; SwiGLU needs --sparsity (profile() calibrates the thresholds)."""
     if cfg.ffn_act == "silu":
         if sparsity is None:
             raise PinferError("this is a SwiGLU model: no neuron is ever exactly inactive, so profiling needs a "
@@ -133,96 +132,7 @@ def activation_rule(cfg: ModelConfig, sparsity: float | None = None) -> Activati
     return ActivationRule(cfg.ffn_act)
 
 
-# --- recording ----------------------------------------------------------------------------------------------------------
-
-class _Recorder:
-    """Stands in for a block's DenseFFN: computes the same output and shows the sink what happened."""
-
-    def __init__(self, ffn, layer: int, sink):
-        self.ffn, self.layer, self.sink = ffn, layer, sink
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        f = self.ffn
-        gu = f.gate_up(x)  # (T, 2 n_ff)
-        gate, up = gu[:, :f.n_ff].float(), gu[:, f.n_ff:].float()
-        self.sink(self.layer, residual, gate, up)
-        return f.down(activate(gate, up, f.act).to(gu.dtype))
-
-
-@contextlib.contextmanager
-def recording(model, sink):
-    blocks = model.transformer.blocks
-    for i, b in enumerate(blocks):
-        if not all(hasattr(b.ffn, a) for a in ("gate_up", "down", "n_ff", "act")):
-            raise PinferError(f"layer {i} has an FFN pi-profile cannot look inside ({type(b.ffn).__name__}); "
-                              f"load the model dense")
-    saved = [b.ffn for b in blocks]
-    try:
-        for i, b in enumerate(blocks):
-            b.ffn = _Recorder(b.ffn, i, sink)
-        yield
-    finally:
-        for b, ffn in zip(blocks, saved):
-            b.ffn = ffn
-
-
-def _run(model, windows: list[list[int]], sink_window: Callable[[int], None], progress, label: str) -> None:
-    tr = model.transformer
-    for w, ids in enumerate(windows):
-        if len(ids) > tr.max_ctx:
-            raise PinferError(f"window of {len(ids)} tokens exceeds the context {tr.max_ctx}; lower --ctx")
-        sink_window(w)
-        with torch.inference_mode():
-            tr.forward(torch.tensor(ids, dtype=torch.long), 0)
-        if progress:
-            progress(label, w + 1, len(windows), len(ids))
-
-
-# --- CATS calibration (SwiGLU) ------------------------------------------------------------------------------------------
-
-_EDGES = torch.logspace(math.log10(HIST_LO), math.log10(HIST_HI), HIST_BINS - 1, dtype=torch.float64)
-
-
-def cats_thresholds(hist: np.ndarray, sparsity: float) -> np.ndarray:
-    """Per-layer threshold t with P(|silu(gate)| <= t) = sparsity, from [n_layer, HIST_BINS] counts.
-
-    Bin 0 holds values below HIST_LO, bin k (1..BINS-2) values in [edge k-1, edge k), the last bin values above
-    HIST_HI. Within a bin the threshold is interpolated geometrically."""
-    edges = _EDGES.numpy()
-    lo = np.concatenate(([0.0], edges))  # lower edge of each bin
-    hi = np.concatenate((edges, [np.inf]))
-    out = np.zeros(hist.shape[0], dtype=np.float32)
-    for layer, h in enumerate(hist):
-        cdf = np.cumsum(h) / h.sum()
-        k = int(np.searchsorted(cdf, sparsity, side="left"))
-        below = cdf[k - 1] if k > 0 else 0.0
-        frac = (sparsity - below) / max(cdf[k] - below, 1e-300)
-        a, b = lo[k], hi[k]
-        if a <= 0.0:
-            t = b * frac
-        elif not np.isfinite(b):
-            t = a
-        else:
-            t = a * (b / a) ** frac
-        out[layer] = t
-    return out
-
-
-def calibrate_cats(model, windows, sparsity: float, progress=None) -> np.ndarray:
-    """First pass for SwiGLU models: histogram |silu(gate)| of every token and neuron, per layer."""
-    L = model.cfg.n_layer
-    hist = torch.zeros(L, HIST_BINS, dtype=torch.float64)
-
-    def sink(layer, residual, gate, up):
-        idx = torch.bucketize(F.silu(gate).abs().reshape(-1).double(), _EDGES, right=True)
-        hist[layer] += torch.bincount(idx, minlength=HIST_BINS).double()
-
-    with recording(model, sink):
-        _run(model, windows, lambda w: None, progress, "calibrating")
-    return cats_thresholds(hist.numpy(), sparsity)
-
-
-# --- profiling ------------------------------------------------------------------------------------------------------------
+# --- profiling --------------------------------------------------------------------------------------------------------
 
 @dataclass
 class Samples:
@@ -275,12 +185,42 @@ def split_labels(n_tokens: int, seed: int = 0) -> np.ndarray:
     return np.repeat(labels, SPLIT_BLOCK)[:n_tokens]
 
 
+def _check_ffn(model) -> None:
+    for i, b in enumerate(model.transformer.blocks):
+        if not all(hasattr(b.ffn, a) for a in ("gate_up", "down", "n_ff", "act")):
+            raise PinferError(f"layer {i} has an FFN pi-profile cannot look inside ({type(b.ffn).__name__}); "
+                              f"load the model dense")
+
+
+def cats_threshold(magnitudes: Sequence[torch.Tensor], sparsity: float) -> float:
+    """The threshold t with a fraction `sparsity` of all |silu(gate)| values <= t: their k-th smallest value,
+    k = round(sparsity * count), so exactly k of them are inactive (barring ties)."""
+    v = torch.cat([m.reshape(-1) for m in magnitudes])
+    k = min(max(int(round(sparsity * v.numel())), 1), v.numel())
+    return float(v.kthvalue(k).values)
+
+
+@torch.inference_mode()
 def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str = "", sample_tokens: int = 0,
-            seed: int = 0, progress=None) -> Profile:
-    """Count active neurons per layer over all windows; keep up to sample_tokens random tokens as training pairs."""
+            sparsity: float | None = None, seed: int = 0, progress=None) -> Profile:
+    """Count active neurons per layer over all windows; keep up to sample_tokens random tokens as training pairs.
+
+    The model runs layer by layer over all windows (each window from position 0, as its own sequence), not window
+    by window: a layer's CATS threshold can then be calibrated on every token of the corpus before that layer's
+    neurons are counted, in a single pass. The arithmetic is the same as Transformer.forward (the tests check the
+    counts against an independent forward).
+    """
     t0 = time.perf_counter()
-    cfg = model.cfg
-    L, n_ff, d = cfg.n_layer, cfg.n_ff, cfg.n_embd
+    _check_ffn(model)
+    cfg, tr = model.cfg, model.transformer
+    L, n_ff, d, eps = cfg.n_layer, cfg.n_ff, cfg.n_embd, cfg.norm_eps
+    if rule.act == "silu":
+        if sparsity is None:
+            raise PinferError("SwiGLU profiling needs --sparsity S")
+        rule.thresholds = np.zeros(L, dtype=np.float32)
+    for w in windows:
+        if len(w) > tr.max_ctx:
+            raise PinferError(f"a window of {len(w)} tokens exceeds the context {tr.max_ctx}; lower --ctx")
     n_tokens = sum(len(w) for w in windows)
     counts = torch.zeros(L, n_ff, dtype=torch.float64)
 
@@ -288,25 +228,439 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
     picked = np.sort(np.random.default_rng(seed).choice(n_tokens, size=k, replace=False)) if k else np.zeros(0, int)
     labels = split_labels(n_tokens, seed)[picked]
     starts = np.cumsum([0] + [len(w) for w in windows])
-    xs = np.zeros((L, k, d), dtype=np.float32)
+    bounds = np.searchsorted(picked, starts)  # picked[bounds[w]:bounds[w+1]] fall in window w
+    rows = [torch.from_numpy(picked[bounds[w]:bounds[w + 1]] - starts[w]) for w in range(len(windows))]
+    xs_out = np.zeros((L, k, d), dtype=np.float32)
     bits = np.zeros((L, k, -(-n_ff // 8)), dtype=np.uint8)
-    cur = {"rows": torch.zeros(0, dtype=torch.long), "dst": slice(0, 0)}
 
-    def on_window(w):
-        lo, hi = np.searchsorted(picked, [starts[w], starts[w + 1]])
-        cur["rows"] = torch.from_numpy(picked[lo:hi] - starts[w])
-        cur["dst"] = slice(int(lo), int(hi))
+    xs = [tr.tok_embd(torch.tensor(w, dtype=torch.long)).to(tr.dtype) for w in windows]  # residual stream (T, d)
+    cache_ok = n_tokens * 3 * n_ff * 4 <= CACHE_BYTES  # gate/up and |silu(gate)|, float32
+    for li, b in enumerate(tr.blocks):
+        ffn = b.ffn
+        for w, x in enumerate(xs):
+            xs[w] = x + tr.attention(li, b, F.rms_norm(x, tr.norm_shape, b.attn_norm, eps), 0)
+        gate_up = lambda x: ffn.gate_up(F.rms_norm(x, tr.norm_shape, b.ffn_norm, eps))  # noqa: E731, B023
+        cached = mags = None
+        if rule.act == "silu":
+            if cache_ok:  # every token's gate/up and |silu(gate)| stay in memory for the second loop
+                cached = [gate_up(x) for x in xs]
+                mags = [F.silu(g[:, :n_ff].float()).abs() for g in cached]
+                rule.thresholds[li] = cats_threshold(mags, sparsity)
+            else:
+                rows_ = _calib_rows(windows, n_ff, seed)
+                rule.thresholds[li] = cats_threshold(
+                    [F.silu(gate_up(x[r])[:, :n_ff].float()).abs() for x, r in zip(xs, rows_, strict=True)], sparsity)
+        for w, x in enumerate(xs):
+            gu = cached[w] if cached else gate_up(x)  # (T, 2 n_ff)
+            gate, up = gu[:, :n_ff], gu[:, n_ff:]
+            m = mags[w] > rule.thresholds[li] if mags else rule.mask(li, gate.float(), up.float())
+            counts[li] += m.sum(0, dtype=torch.float64)
+            r = rows[w]
+            if r.numel():
+                xs_out[li, bounds[w]:bounds[w + 1]] = x[r].float().numpy()
+                bits[li, bounds[w]:bounds[w + 1]] = np.packbits(m[r].numpy(), axis=1)
+            xs[w] = x + ffn.down(activate(gate, up, ffn.act))
+        del cached, mags
+        if progress:
+            progress(li + 1, L)
+    samples = [Samples(xs_out[i], bits[i], n_ff, labels) for i in range(L)] if k else []
+    date = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    return Profile(counts.numpy(), n_tokens, corpus, rule, date, time.perf_counter() - t0, samples,
+                   sparsity if rule.act == "silu" else None)
 
-    def sink(layer, residual, gate, up):
-        m = rule.mask(layer, gate, up)
-        counts[layer] += m.sum(0, dtype=torch.float64)
-        rows = cur["rows"]
-        if rows.numel():
-            xs[layer, cur["dst"]] = residual[rows].float().numpy()
-            bits[layer, cur["dst"]] = np.packbits(m[rows].numpy(), axis=1)
 
-    with recording(model, sink):
-        _run(model, windows, on_window, progress, "profiling")
-    samples = [Samples(xs[i], bits[i], n_ff, labels) for i in range(L)] if k else []
-    return Profile(counts.numpy(), n_tokens, corpus, rule, _dt.datetime.now(_dt.timezone.utc).isoformat(
-        timespec="seconds"), time.perf_counter() - t0, samples)
+def _calib_rows(windows, n_ff: int, seed: int) -> list[torch.Tensor]:
+    """Huge corpora only: a random subset of each window's positions whose gate values fit in CACHE_BYTES."""
+    rng = np.random.default_rng(seed + 1)
+    p = (CACHE_BYTES // (4 * n_ff)) / sum(len(w) for w in windows)
+    return [torch.from_numpy(np.flatnonzero(rng.random(len(w)) < p)) for w in windows]
+
+
+# --- predictors -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class LayerPredictor:
+    """A trained or imported predictor of one layer, as stored: fc1 [h, d], fc2 [n_ff, h] (float16)."""
+
+    fc1: np.ndarray
+    fc2: np.ndarray
+    threshold: float  # neuron i predicted active iff fc2(relu(fc1 x))[i] >= threshold
+    recall: float = float("nan")  # on the test tokens, with the stored (float16) weights
+    precision: float = float("nan")
+    density: float = float("nan")  # fraction of neurons predicted active per token
+    true_density: float = float("nan")  # fraction actually active on the same tokens
+    ladder: list[dict] = field(default_factory=list)  # per candidate size: hidden, density at the target, cost
+
+    @property
+    def hidden(self) -> int:
+        return self.fc1.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.nbytes + self.fc2.nbytes
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = torch.from_numpy(self.fc1).float(), torch.from_numpy(self.fc2).float()
+        return F.linear(F.relu(F.linear(x.float(), fc1)), fc2)
+
+
+def threshold_for_recall(scores: torch.Tensor, mask: torch.Tensor, recall: float) -> float:
+    """The largest threshold t with recall(scores >= t) >= `recall` on these tokens (+inf-safe for no positives)."""
+    pos = scores[mask]
+    if pos.numel() == 0:
+        return float(scores.max()) + 1.0
+    k = int(math.floor((1.0 - recall) * pos.numel()))  # positives allowed below t
+    return float(pos.kthvalue(k + 1).values) if k < pos.numel() else float(pos.max())
+
+
+def confusion(scores: torch.Tensor, mask: torch.Tensor, threshold: float) -> tuple[float, float, float, float]:
+    """(recall, precision, predicted density, true density) of scores >= threshold against mask."""
+    pred = scores >= threshold
+    tp = float((pred & mask).sum())
+    n_pos, n_pred = float(mask.sum()), float(pred.sum())
+    return (tp / n_pos if n_pos else 1.0, tp / n_pred if n_pred else 1.0, n_pred / mask.numel(),
+            n_pos / mask.numel())
+
+
+def _ridge_rrr(x: torch.Tensor, y: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduced-rank ridge regression of y [N, n] on x [N, d]: y ~ (x A_k) V_k^T for every rank k <= k_max.
+
+    B is the ridge solution and V the top right singular vectors of the fitted values x B. With x = Q R, those are
+    the top eigenvectors of (R B)^T (R B), obtained from the small d x d matrix M M^T with M = R B. Returns
+    A = B V [d, k_max] and V [n, k_max]."""
+    d = x.shape[1]
+    x64, y64 = x.double(), y.double()
+    lam = 1e-3 * float(x64.pow(2).sum(0).mean()) + 1e-6
+    B = torch.linalg.solve(x64.T @ x64 + lam * torch.eye(d, dtype=torch.float64), x64.T @ y64)  # (d, n)
+    M = torch.linalg.qr(x64, mode="r")[1] @ B  # fitted values x B = Q M
+    evals, U = torch.linalg.eigh(M @ M.T)  # ascending
+    k = min(k_max, d)
+    U, sv = U[:, -k:].flip(1), evals[-k:].flip(0).clamp_min(1e-30).sqrt()
+    V = (M.T @ U) / sv  # (n, k): right singular vectors
+    return (B @ V).float(), V.float().contiguous()
+
+
+def _finetune(fc1: torch.Tensor, fc2: torch.Tensor, x: torch.Tensor, y: torch.Tensor, steps: int, seed: int,
+              offset: float, judge: Callable[[torch.Tensor, torch.Tensor], float], check_every: int = 100,
+              batch: int = 512, lr: float = 3e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Binary cross-entropy on logits fc2(relu(fc1 x)) - offset with Adam; the constant offset stands in for the bias
+    the format does not have (the threshold calibrated afterwards absorbs it).
+
+    Every check_every steps `judge` scores the weights (lower is better: the predicted density at the recall target
+    on the calibration tokens); training stops once a round improves it by less than 1%, and the best weights are
+    returned. Layers the regression already predicts as well as this network can stop after one round."""
+    best, best_w = judge(fc1, fc2), (fc1.clone(), fc2.clone())
+    fc1.requires_grad_(True)
+    fc2.requires_grad_(True)
+    opt = torch.optim.Adam([fc1, fc2], lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    n = x.shape[0]
+    for step in range(1, steps + 1):
+        with torch.enable_grad():
+            idx = torch.randint(0, n, (min(batch, n),), generator=g)
+            logits = F.linear(F.relu(F.linear(x[idx], fc1)), fc2) - offset
+            loss = F.binary_cross_entropy_with_logits(logits, y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if step % check_every == 0 or step == steps:
+            score = judge(fc1.detach(), fc2.detach())
+            improved = score < best * 0.99
+            if score < best:
+                best, best_w = score, (fc1.detach().clone(), fc2.detach().clone())
+            if not improved:
+                break
+    return best_w
+
+
+def ladder_for(d: int, n_ff: int, ffn_bytes: float, ladder: Sequence[int], max_fraction: float) -> list[int]:
+    """Candidate hidden sizes: at most 2*d (a rank-d linear map needs 2*d ReLU units) and at most max_fraction of
+    the layer's FFN bytes (float16 predictor)."""
+    sizes = sorted({int(h) for h in ladder if h >= 2 and h % 2 == 0})
+    ok = [h for h in sizes if h <= 2 * d and 2 * h * (d + n_ff) <= max_fraction * ffn_bytes]
+    return ok or sizes[:1]
+
+
+def train_layer(s: Samples, ffn_bytes: float, recall: float = DEFAULT_RECALL, ladder: Sequence[int] = DEFAULT_LADDER,
+                max_fraction: float = 0.10, steps: int = 300, tolerance: float = 0.02, seed: int = 0
+                ) -> LayerPredictor:
+    """Train one layer's predictor on its samples and choose its hidden size from the ladder.
+
+    1. Fit: reduced-rank ridge regression of the active mask on the FFN input gives, for every rank k at once, a
+       linear score (x A_k) V_k^T; as a ReLU network it is fc1 = [A_k^T; -A_k^T], fc2 = [V_k, -V_k] (h = 2k units,
+       relu(z) - relu(-z) = z).
+    2. Choose: on the calibration tokens, each size's threshold is set to reach `recall`, and its cost per token is
+       predictor bytes + predicted density * FFN bytes (what a sparse FFN reads). The smallest size within
+       `tolerance` of the cheapest is taken: sparse, skewed layers stop early.
+    3. Refine: a few hundred Adam steps of binary cross-entropy from that start, rounding to float16, and the final
+       threshold on the calibration tokens (aiming a fifth of the way from `recall` to 1, so that the test tokens
+       still reach `recall`); recall and precision are then measured on the test tokens.
+    """
+    x_tr, m_tr = s.part(0)
+    x_ca, m_ca = s.part(1)
+    x_te, m_te = s.part(2)
+    d, n_ff = x_tr.shape[1], s.n_ff
+    sizes = ladder_for(d, n_ff, ffn_bytes, ladder, max_fraction)
+    k_max = min(max(sizes) // 2, d, x_tr.shape[0])
+    A, V = _ridge_rrr(x_tr, m_tr.float(), k_max)
+    aim = recall + (1.0 - recall) / 5
+
+    rows = []
+    z_ca = x_ca @ A  # (N_ca, k_max)
+    for h in sizes:
+        k = min(h // 2, k_max)
+        sc = z_ca[:, :k] @ V[:, :k].T
+        t = threshold_for_recall(sc, m_ca, aim)
+        _, _, dens, _ = confusion(sc, m_ca, t)
+        pred_bytes = 2 * h * (d + n_ff)
+        rows.append({"hidden": h, "density": dens, "cost": pred_bytes + dens * ffn_bytes})
+    best = min(r["cost"] for r in rows)
+    h = next(r["hidden"] for r in rows if r["cost"] <= best * (1 + tolerance))
+    k = min(h // 2, k_max)
+
+    # The regression scores ~P(active) in [0, 1]. Training sees logits = SCORE_SCALE * score - SCORE_SCALE / 2
+    # (0.5 -> 0); the stored score keeps the + SCORE_SCALE / 2, which the calibrated threshold absorbs.
+    scale = SCORE_SCALE
+    fc1 = torch.cat([A[:, :k].T, -A[:, :k].T]).contiguous()  # (2k, d)
+    fc2 = (scale * torch.cat([V[:, :k], -V[:, :k]], dim=1)).contiguous()  # (n_ff, 2k)
+    if steps:
+        def judge(w1, w2):
+            sc = F.linear(F.relu(F.linear(x_ca, w1)), w2)
+            return confusion(sc, m_ca, threshold_for_recall(sc, m_ca, aim))[2]
+
+        fc1, fc2 = _finetune(fc1, fc2, x_tr, m_tr.float(), steps, seed, scale / 2, judge)
+    p = LayerPredictor(fc1.half().numpy(), fc2.half().numpy(), 0.0, ladder=rows)
+    p.threshold = threshold_for_recall(p.scores(x_ca), m_ca, aim)
+    set_test_stats(p, x_te, m_te)
+    return p
+
+
+def set_test_stats(p: LayerPredictor, x: torch.Tensor, mask: torch.Tensor) -> None:
+    p.recall, p.precision, p.density, p.true_density = confusion(p.scores(x), mask, p.threshold)
+
+
+def fold_thresholds(preds: list[LayerPredictor]) -> float | None:
+    """Make one threshold serve every layer, as PowerInfer reads a single powerinfer.sparse_threshold.
+
+    Scaling a layer's fc2 by T / t_l > 0 maps its own threshold t_l onto T without changing any decision, so this
+    works whenever all thresholds share a sign (training keeps them positive, see train_layer); then T is their
+    median and every p.threshold becomes T. Otherwise nothing changes and None is returned: the layers keep their
+    own thresholds (stored under pinfer.predictor.threshold)."""
+    ts = np.array([p.threshold for p in preds], dtype=np.float64)
+    if not ((ts > 0).all() or (ts < 0).all()):
+        return None
+    T = float(np.median(ts))
+    if not 1e-3 <= (T / ts).min() <= (T / ts).max() <= 1e3:  # keep float16 weights far from under/overflow
+        return None
+    for p in preds:
+        p.fc2 = (p.fc2.astype(np.float32) * (T / p.threshold)).astype(np.float16)
+        p.threshold = T
+    return T
+
+
+def train_predictors(prof: Profile, ffn_bytes: float, recall: float = DEFAULT_RECALL,
+                     ladder: Sequence[int] = DEFAULT_LADDER, max_fraction: float = 0.10, steps: int = 300,
+                     seed: int = 0, progress=None) -> tuple[list[LayerPredictor], float | None]:
+    """Every layer's predictor, thresholds folded into one where possible; test statistics of the stored weights."""
+    need = min_train_tokens(prof.samples[0].x.shape[1]) if prof.samples else MIN_TRAIN_TOKENS
+    n = prof.samples[0].x.shape[0] if prof.samples else 0
+    if n < need:
+        raise PinferError(f"training predictors needs at least {need} profiled tokens for this model, got {n}; "
+                          f"pass more text with --corpus (or raise --tokens / --sample-tokens)")
+    preds = []
+    for i, s in enumerate(prof.samples):
+        preds.append(train_layer(s, ffn_bytes, recall, ladder, max_fraction, steps, seed=seed + i))
+        if progress:
+            progress(i + 1, len(prof.samples))
+    T = fold_thresholds(preds)
+    for p, s in zip(preds, prof.samples, strict=True):
+        set_test_stats(p, *s.part(2))
+    return preds, T
+
+
+def min_train_tokens(n_embd: int) -> int:
+    """Profiled tokens needed to train predictors: 70% of them fit a d-dimensional regression, so at least 2 per
+    input dimension, and never fewer than MIN_TRAIN_TOKENS (15% of them are the test tokens)."""
+    return max(MIN_TRAIN_TOKENS, 2 * n_embd)
+
+
+def ffn_bytes_per_layer(f: GGUFFile, cfg: ModelConfig) -> float:
+    """Bytes of one layer's gate, up and down weights as stored (what a dense FFN reads per token)."""
+    down = C.FFN_DOWN_T if cfg.down_transposed else C.FFN_DOWN
+    return float(sum(f.info(C.tensor(t, 0)).nbytes for t in (C.FFN_GATE, C.FFN_UP, down)))
+
+
+def check_ffn_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Profiling needs a llama-family FFN: gate, up and down (or PowerInfer's down_t) in every layer."""
+    down = C.FFN_DOWN_T if cfg.down_transposed else C.FFN_DOWN
+    for i in range(cfg.n_layer):
+        for t in (C.FFN_GATE, C.FFN_UP, down):
+            if not f.has(C.tensor(t, i)):
+                raise PinferError(f"{f.path}: layer {i} has no {C.tensor(t, i)}; pi-profile understands only "
+                                  f"llama-family FFNs (gate, up, down: SwiGLU, ReGLU, dReLU)")
+
+
+# --- storage ----------------------------------------------------------------------------------------------------------
+
+PROFILE_KEYS = (C.ACT_TOKENS, C.ACT_CORPUS, C.ACT_DATE, C.ACT_RULE, C.CATS_THRESHOLD, C.CATS_SPARSITY)
+PREDICTOR_KEYS = (C.SPARSE_THRESHOLD, C.PRED_THRESHOLDS, C.PRED_RECALL, C.PRED_PRECISION, C.PRED_RECALL_TARGET,
+                  C.PRED_SOURCE)
+
+
+def profile_entries(prof: Profile, n_layer: int) -> tuple[dict, dict, list]:
+    """(metadata to set, tensors to set, keys to drop) for a profile."""
+    meta = {C.ACT_TOKENS: np.uint64(prof.tokens), C.ACT_CORPUS: prof.corpus, C.ACT_DATE: prof.date,
+            C.ACT_RULE: prof.rule.name, C.FFN_ACTIVATION: prof.rule.act}
+    drop = []
+    if prof.rule.thresholds is not None:
+        meta[C.CATS_THRESHOLD] = np.asarray(prof.rule.thresholds, dtype=np.float32)
+        meta[C.CATS_SPARSITY] = np.float32(prof.cats_sparsity)
+    else:
+        drop += [C.CATS_THRESHOLD, C.CATS_SPARSITY]
+    tensors = {C.tensor(C.ACT_COUNTS, i): prof.counts[i].astype(np.float32) for i in range(n_layer)}
+    return meta, tensors, drop
+
+
+def predictor_entries(preds: list[LayerPredictor], threshold: float | None, act: str, source: str,
+                      recall_target: float | None = None) -> tuple[dict, dict, list]:
+    """(metadata, tensors, keys to drop) for predictors: fc1/fc2 per layer, the global threshold (or per-layer ones
+    when they cannot be folded into one), and the test statistics when known."""
+    tensors = {}
+    for i, p in enumerate(preds):
+        tensors[C.tensor(C.PRED_FC1, i)] = np.ascontiguousarray(p.fc1, dtype=np.float16)
+        tensors[C.tensor(C.PRED_FC2, i)] = np.ascontiguousarray(p.fc2, dtype=np.float16)
+    ts = np.array([p.threshold for p in preds], dtype=np.float32)
+    # a predictor in a llama file would otherwise make config.detect_ffn_activation read the file as ReLU
+    meta = {C.PRED_SOURCE: source, C.FFN_ACTIVATION: act}
+    drop = []
+    if threshold is not None:
+        meta[C.SPARSE_THRESHOLD] = np.float32(threshold)
+        drop.append(C.PRED_THRESHOLDS)
+    else:
+        meta[C.SPARSE_THRESHOLD] = np.float32(np.median(ts))
+        meta[C.PRED_THRESHOLDS] = ts
+    stats = np.array([[p.recall, p.precision] for p in preds], dtype=np.float32)
+    if recall_target is not None and np.isfinite(stats).all():
+        meta[C.PRED_RECALL] = stats[:, 0].copy()
+        meta[C.PRED_PRECISION] = stats[:, 1].copy()
+        meta[C.PRED_RECALL_TARGET] = np.float32(recall_target)
+    else:
+        drop += [C.PRED_RECALL, C.PRED_PRECISION, C.PRED_RECALL_TARGET]
+    return meta, tensors, drop
+
+
+def stored_counts(f: GGUFFile, cfg: ModelConfig) -> tuple[np.ndarray, int]:
+    """([n_layer, n_ff] counts, tokens) of the statistics stored in a file."""
+    if not f.has(C.tensor(C.ACT_COUNTS, 0)) or C.ACT_TOKENS not in f.metadata:
+        raise PinferError(f"{f.path}: no activation statistics; run pi-profile on it first")
+    counts = np.stack([np.asarray(f.raw(C.tensor(C.ACT_COUNTS, i)), dtype=np.float64) for i in range(cfg.n_layer)])
+    return counts, int(f.get(C.ACT_TOKENS))
+
+
+# --- PowerInfer directories -------------------------------------------------------------------------------------------
+
+_ACT_RE = re.compile(r"activation_(\d+)\.pt")
+_PRED_RE = re.compile(r"model_(\d+)\.pt")
+
+
+def _numbered(directory: Path, pattern: re.Pattern, n_layer: int, what: str) -> list[Path]:
+    """Files N = 0..n_layer-1 of a PowerInfer directory, by the number in the name (not by text order: PowerInfer
+    bug #247 put activation_10 before activation_2)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise PinferError(f"{directory}: no such directory")
+    found: dict[int, Path] = {}
+    for p in directory.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m:
+            found[int(m.group(1))] = p
+    if sorted(found) != list(range(n_layer)):
+        have = f"{len(found)} files" + (f" numbered {min(found)}..{max(found)}" if found else "")
+        raise PinferError(f"{directory}: expected {what} files 0..{n_layer - 1} for a model with {n_layer} layers, "
+                          f"found {have}; is this the directory for this model?")
+    return [found[i] for i in range(n_layer)]
+
+
+def _load_pt(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the user's input problem
+        raise PinferError(f"{path}: not a readable torch file ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+                          ) from None
+
+
+def import_activations(directory: Path, cfg: ModelConfig) -> np.ndarray:
+    """[n_layer, n_ff] counts from PowerInfer's activation/activation_N.pt files (1-D tensors [n_ff])."""
+    rows = []
+    for i, p in enumerate(_numbered(directory, _ACT_RE, cfg.n_layer, "activation_N.pt")):
+        t = _load_pt(p)
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != cfg.n_ff:
+            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise PinferError(f"{p}: layer {i} has {shape} counts, the model has {cfg.n_ff} neurons per layer; "
+                              f"is this the directory for this model?")
+        rows.append(t.double().numpy())
+    counts = np.stack(rows)
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise PinferError(f"{directory}: activation counts must be finite and non-negative")
+    return counts
+
+
+def export_activations(counts: np.ndarray, directory: Path) -> None:
+    """Write activation_N.pt (int64 counts [n_ff]) for every layer, as PowerInfer's solver reads them.
+
+    All files are written to a new sibling directory first and then renamed into place, so the directory either
+    holds the complete new set or is untouched. An existing directory may hold only activation_N.pt files."""
+    import shutil
+    import tempfile
+
+    directory = Path(directory)
+    if directory.exists():
+        if not directory.is_dir():
+            raise PinferError(f"{directory}: exists and is not a directory")
+        other = [p.name for p in directory.iterdir() if not _ACT_RE.fullmatch(p.name)]
+        if other:
+            raise PinferError(f"{directory}: holds other files ({other[0]}, ...); export into a new or empty "
+                              f"directory")
+    if not directory.parent.exists():
+        raise PinferError(f"{directory.parent}: no such directory")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        for i, c in enumerate(counts):
+            torch.save(torch.from_numpy(np.rint(c).astype(np.int64)), tmp / C.ACTIVATION_FILE.format(bid=i))
+        old = None
+        if directory.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=directory.parent))
+            old.rmdir()
+            directory.rename(old)
+        tmp.rename(directory)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def import_predictors(directory: Path, cfg: ModelConfig) -> tuple[list[LayerPredictor], float]:
+    """PowerInfer predictor directory: model_N.pt state dicts with fc1.weight [r, d] and fc2.weight [n_ff, r], and
+    an optional config.json {"sparse_threshold": t}."""
+    directory = Path(directory)
+    files = _numbered(directory, _PRED_RE, cfg.n_layer, "model_N.pt")
+    threshold = 0.0
+    cfg_file = directory / "config.json"
+    if cfg_file.exists():
+        try:
+            threshold = float(json.loads(cfg_file.read_text()).get("sparse_threshold", 0.0))
+        except (ValueError, TypeError, AttributeError):
+            raise PinferError(f"{cfg_file}: not a JSON object with a numeric sparse_threshold") from None
+    preds = []
+    for i, p in enumerate(files):
+        sd = _load_pt(p)
+        if not isinstance(sd, dict) or "fc1.weight" not in sd or "fc2.weight" not in sd:
+            raise PinferError(f"{p}: expected a state dict with fc1.weight and fc2.weight")
+        fc1, fc2 = sd["fc1.weight"], sd["fc2.weight"]
+        if fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[1] != cfg.n_embd or fc2.shape[0] != cfg.n_ff \
+                or fc1.shape[0] != fc2.shape[1]:
+            raise PinferError(f"{p}: layer {i} predictor has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}; "
+                              f"this model needs fc1 [r, {cfg.n_embd}] and fc2 [{cfg.n_ff}, r]")
+        preds.append(LayerPredictor(fc1.to(torch.float16).numpy(), fc2.to(torch.float16).numpy(), threshold))
+    return preds, threshold

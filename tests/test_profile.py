@@ -1,0 +1,368 @@
+"""pi-profile: activation counts, CATS thresholds, predictor training, storage, PowerInfer directories, bad input."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from formats import constants as C
+from formats import synth
+from formats.reader import open_gguf
+from runtime import profile as P
+from runtime.engine import load_model
+from runtime.predictor import load_predictors
+from runtime.profile_cli import app
+from tests.tiny import random_weights, tiny_config, write_tiny
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    return res.exit_code, res.output.strip()
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def assert_one_line_error(code, out, *needles):
+    assert code == 1, out
+    assert "Traceback" not in out, out
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1, out
+    assert lines[0].startswith("pi-profile: error:"), out
+    for n in needles:
+        assert n in lines[0], out
+
+
+def planted(path, **kw):
+    spec = dict(n_layer=2, n_embd=64, n_ff=256, n_head=4, n_head_kv=2, vocab="bytes", sparsity=0.9, skew=1.0,
+                calib_tokens=2048, seed=0)
+    spec.update(kw)
+    synth.generate(path, synth.SynthSpec(**spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def relu_model(tmp_path_factory):
+    return planted(tmp_path_factory.mktemp("relu") / "planted.gguf")
+
+
+@pytest.fixture(scope="module")
+def silu_model(tmp_path_factory):
+    p = tmp_path_factory.mktemp("silu") / "swiglu.gguf"
+    write_tiny(p, vocab_size=300)
+    return p
+
+
+def forward_record(m, ids):
+    """Run the ordinary Transformer.forward and capture each FFN's (residual, gate, up): the brute-force side."""
+    seen = {}
+    blocks = m.transformer.blocks
+    saved = [b.ffn for b in blocks]
+
+    class Spy:
+        def __init__(self, ffn, i):
+            self.ffn, self.i = ffn, i
+
+        def __call__(self, x, residual):
+            gu = self.ffn.gate_up(x).float()
+            n = self.ffn.n_ff
+            seen[self.i] = (residual.clone(), gu[:, :n].clone(), gu[:, n:].clone())
+            return self.ffn(x, residual)
+
+    try:
+        for i, b in enumerate(blocks):
+            b.ffn = Spy(b.ffn, i)
+        with torch.inference_mode():
+            m.transformer.forward(torch.tensor(ids), 0)
+    finally:
+        for b, f in zip(blocks, saved, strict=True):
+            b.ffn = f
+    return seen
+
+
+def windows_of(m, n_tokens, ctx=128):
+    return P.corpus_windows(m.tokenizer, P.builtin_corpus(), ctx, n_tokens)[0]
+
+
+# --- counting ---------------------------------------------------------------------------------------------------------
+
+def test_counts_equal_brute_force(relu_model):
+    m = load_model(relu_model, threads=2, ctx_size=128, ffn_mode="dense")
+    windows = windows_of(m, 300, ctx=128)
+    prof = P.profile(m, windows, P.activation_rule(m.cfg))
+    brute = np.zeros_like(prof.counts)
+    reference = np.zeros_like(prof.counts)
+    for ids in windows:
+        seen = forward_record(m, ids)
+        for i, (_, gate, _) in seen.items():
+            brute[i] += (gate > 0).sum(0).numpy()
+        _, act = synth.reference_forward(open_gguf(relu_model), ids, collect_activity=True)
+        reference += act.sum(1).numpy()
+    assert prof.tokens == 300
+    np.testing.assert_array_equal(prof.counts, brute)
+    # an independent implementation of the forward pass (formats.synth): only gates within rounding of 0 may differ
+    assert np.abs(prof.counts - reference).sum() <= 1e-3 * reference.sum()
+    assert 0.8 < prof.sparsity.mean() < 0.97  # the planted model is ~90% sparse
+
+
+def test_cats_threshold_hits_target_sparsity(silu_model):
+    m = load_model(silu_model, threads=2, ctx_size=128, ffn_mode="dense")
+    windows = windows_of(m, 400)
+    with pytest.raises(Exception, match="--sparsity"):
+        P.activation_rule(m.cfg)
+    rule = P.activation_rule(m.cfg, 0.4)
+    prof = P.profile(m, windows, rule, sparsity=0.4)
+    np.testing.assert_allclose(prof.sparsity, 0.4, atol=1e-5)
+    brute = np.zeros_like(prof.counts)
+    for ids in windows:
+        for i, (_, gate, _) in forward_record(m, ids).items():
+            brute[i] += (torch.nn.functional.silu(gate).abs() > rule.thresholds[i]).sum(0).numpy()
+    np.testing.assert_array_equal(prof.counts, brute)
+
+
+# --- storage ----------------------------------------------------------------------------------------------------------
+
+def test_store_new_file_and_in_place(relu_model, tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(relu_model.read_bytes())
+    before = digest(src)
+    code, out = invoke(src, "--tokens", 400, "--ctx", 128, "-o", tmp_path / "out.gguf", "--json")
+    assert code == 0, out
+    summary = json.loads(out)
+    assert digest(src) == before  # -o leaves the original alone
+    f = open_gguf(tmp_path / "out.gguf")
+    assert f.get(C.ACT_TOKENS) == 400 == summary["tokens"]
+    assert f.get(C.ACT_RULE) == "relu>0" and f.get(C.ACT_DATE) and "built-in" in f.get(C.ACT_CORPUS)
+    assert f.value_types[C.ACT_TOKENS][0] == 10  # u64
+    counts = np.stack([np.asarray(f.raw(C.tensor(C.ACT_COUNTS, i))) for i in range(2)])
+    assert counts.dtype == np.float32 and counts.shape == (2, 256)
+    np.testing.assert_allclose(1 - counts.mean(1) / 400, [r["sparsity"] for r in summary["layers"]], atol=1e-6)
+    # every original tensor and key survives
+    g = open_gguf(src)
+    assert set(g.tensors) < set(f.tensors)
+    for name in g.tensors:
+        assert np.array_equal(np.asarray(g.raw(name)), np.asarray(f.raw(name))), name
+    # in place: same statistics, and the model still loads as the ReLU model it is
+    code, out = invoke(src, "--tokens", 400, "--ctx", 128, "--json")
+    assert code == 0, out
+    h = open_gguf(src)
+    assert np.array_equal(np.asarray(h.raw(C.tensor(C.ACT_COUNTS, 1))), counts[1])
+    assert load_model(src, ctx_size=64, ffn_mode="dense").cfg.ffn_act == "relu"
+
+
+def test_interrupted_rewrite_leaves_original(relu_model, tmp_path, monkeypatch):
+    from gguf import GGUFWriter
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(relu_model.read_bytes())
+    before = digest(src)
+    calls = {"n": 0}
+    real = GGUFWriter.write_tensor_data
+
+    def dies_midway(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(GGUFWriter, "write_tensor_data", dies_midway)
+    code, out = invoke(src, "--tokens", 300, "--ctx", 128)
+    assert code == 130 and "interrupted" in out
+    assert calls["n"] == 5
+    assert digest(src) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no temporary file left behind
+
+
+# --- PowerInfer directories -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def twelve_layers(tmp_path_factory):
+    p = tmp_path_factory.mktemp("deep") / "deep.gguf"
+    cfg = tiny_config(n_layer=12, n_embd=32, n_ff=48, n_head=2, n_head_kv=2, ffn_act="relu")
+    from formats.model_writer import write_llama
+
+    write_llama(p, cfg, random_weights(cfg))
+    return p, cfg
+
+
+def test_activation_dir_import_export_numeric_order(twelve_layers, tmp_path):
+    model, cfg = twelve_layers
+    src = tmp_path / "m.gguf"
+    src.write_bytes(model.read_bytes())
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 1000, size=(cfg.n_layer, cfg.n_ff)).astype(np.int64)
+    act = tmp_path / "activation"
+    act.mkdir()
+    for i in range(cfg.n_layer):
+        torch.save(torch.from_numpy(counts[i]), act / f"activation_{i}.pt")
+    # text order would read activation_10 as layer 2 (PowerInfer bug #247): make sure the order matters here
+    assert sorted(p.name for p in act.iterdir())[2] == "activation_10.pt"
+    code, out = invoke(src, "--import-activations", act, "--tokens", 1000, "--json")
+    assert code == 0, out
+    f = open_gguf(src)
+    stored = np.stack([np.asarray(f.raw(C.tensor(C.ACT_COUNTS, i))) for i in range(cfg.n_layer)])
+    np.testing.assert_array_equal(stored, counts)
+    assert f.get(C.ACT_TOKENS) == 1000
+
+    out_dir = tmp_path / "exported"
+    code, out = invoke(src, "--export-activations", out_dir)
+    assert code == 0, out
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(f"activation_{i}.pt" for i in range(cfg.n_layer))
+    for i in (2, 10):
+        np.testing.assert_array_equal(torch.load(out_dir / f"activation_{i}.pt").numpy(), counts[i])
+    code, out = invoke(src, "--export-activations", out_dir)  # re-export over its own files
+    assert code == 0, out
+
+
+def test_import_activations_without_token_count(twelve_layers, tmp_path):
+    model, cfg = twelve_layers
+    src = tmp_path / "m.gguf"
+    src.write_bytes(model.read_bytes())
+    act = tmp_path / "activation"
+    act.mkdir()
+    for i in range(cfg.n_layer):
+        torch.save(torch.full((cfg.n_ff,), 7.0 + i), act / f"activation_{i}.pt")
+    code, out = invoke(src, "--import-activations", act, "--json")
+    assert code == 0, out
+    f = open_gguf(src)
+    assert f.get(C.ACT_TOKENS) == 18 and "token count unknown" in f.get(C.ACT_CORPUS)
+
+
+def test_predictor_dir_import(twelve_layers, tmp_path):
+    model, cfg = twelve_layers
+    src = tmp_path / "m.gguf"
+    src.write_bytes(model.read_bytes())
+    pdir = tmp_path / "predictor"
+    pdir.mkdir()
+    rng = np.random.default_rng(1)
+    ranks = [8 + 2 * i for i in range(cfg.n_layer)]
+    weights = []
+    for i, r in enumerate(ranks):
+        fc1 = torch.from_numpy(rng.standard_normal((r, cfg.n_embd)).astype(np.float32))
+        fc2 = torch.from_numpy(rng.standard_normal((cfg.n_ff, r)).astype(np.float32))
+        torch.save({"fc1.weight": fc1, "fc2.weight": fc2}, pdir / f"model_{i}.pt")
+        weights.append((fc1, fc2))
+    (pdir / "config.json").write_text(json.dumps({"sparse_threshold": 0.25}))
+    code, out = invoke(src, "--import-predictors", pdir, "--json")
+    assert code == 0, out
+    f = open_gguf(src)
+    assert abs(f.get(C.SPARSE_THRESHOLD) - 0.25) < 1e-7
+    assert f.info(C.tensor(C.PRED_FC1, 10)).type_name == "F16"
+    preds = load_predictors(f, cfg.n_layer)
+    for p, (fc1, fc2), r in zip(preds, weights, ranks, strict=True):
+        assert p.rank == r and p.threshold == pytest.approx(0.25)
+        torch.testing.assert_close(p.fc1, fc1.half().float())
+        torch.testing.assert_close(p.fc2, fc2.half().float())
+
+
+# --- predictors -------------------------------------------------------------------------------------------------------
+
+def test_trained_predictors_reach_recall(relu_model, tmp_path):
+    out = tmp_path / "pred.gguf"
+    code, text = invoke(relu_model, "--train-predictors", "--tokens", 3000, "--ctx", 256, "--max-fraction", 0.25,
+                        "-o", out, "--json")
+    assert code == 0, text
+    summary = json.loads(text)
+    for row in summary["layers"]:
+        assert row["recall"] >= 0.95, row
+        # better than "everything is active": a real predictor, not a threshold at -inf
+        assert row["predicted_density"] < 0.6 and row["precision"] > 2 * (1 - row["sparsity"]), row
+        assert row["bytes_pct"] <= 25.0
+    # the stored file, read by the runtime's loader, on text it never saw (the held-out corpus)
+    f = open_gguf(out)
+    assert f.get(C.PRED_SOURCE) == "pi-profile" and len(f.get(C.PRED_RECALL)) == 2
+    preds = load_predictors(f, 2)
+    m = load_model(out, ctx_size=256, ffn_mode="dense")
+    ids = m.tokenizer.encode(P.HELDOUT.read_text())[:1024]
+    hit = total = 0
+    for s in range(0, len(ids), 256):
+        for i, (resid, gate, _) in forward_record(m, ids[s:s + 256]).items():
+            truth = gate > 0
+            hit += int((preds[i].mask(resid) & truth).sum())
+            total += int(truth.sum())
+    assert hit / total >= 0.93, hit / total
+
+
+def test_ladder_picks_smaller_predictor_for_sparser_layer(tmp_path):
+    hidden = {}
+    for name, sparsity, skew in (("sparse", 0.97, 1.5), ("dense", 0.6, 0.2)):
+        path = planted(tmp_path / f"{name}.gguf", n_layer=1, sparsity=sparsity, skew=skew)
+        m = load_model(path, ctx_size=256, ffn_mode="dense")
+        prof = P.profile(m, windows_of(m, 3000, ctx=256), P.activation_rule(m.cfg), sample_tokens=3000)
+        ffn_bytes = P.ffn_bytes_per_layer(m.file, m.cfg)
+        p = P.train_layer(prof.samples[0], ffn_bytes, ladder=(8, 16, 32, 64, 128), max_fraction=1.0, steps=0)
+        hidden[name] = p.hidden
+        assert p.recall >= 0.94
+    assert hidden["sparse"] < hidden["dense"], hidden
+
+
+def test_fold_thresholds_keeps_decisions():
+    rng = np.random.default_rng(0)
+    preds = [P.LayerPredictor(rng.standard_normal((8, 16)).astype(np.float16),
+                              rng.standard_normal((32, 8)).astype(np.float16), t) for t in (0.5, 2.0, 1.0)]
+    x = torch.from_numpy(rng.standard_normal((200, 16)).astype(np.float32))
+    before = [p.scores(x) >= p.threshold for p in preds]
+    T = P.fold_thresholds(preds)
+    assert T == 1.0 and all(p.threshold == 1.0 for p in preds)
+    for p, b in zip(preds, before, strict=True):
+        assert (p.scores(x) >= T).eq(b).float().mean() > 0.995  # float16 rounding of the rescaled fc2 only
+    mixed = [P.LayerPredictor(preds[0].fc1, preds[0].fc2, t) for t in (-1.0, 1.0)]
+    assert P.fold_thresholds(mixed) is None and [p.threshold for p in mixed] == [-1.0, 1.0]
+
+
+# --- bad input --------------------------------------------------------------------------------------------------------
+
+def test_no_ffn_we_understand(tmp_path):
+    from formats.model_writer import write_llama
+
+    cfg = tiny_config()
+    w = random_weights(cfg)
+    for i in range(cfg.n_layer):
+        del w[C.tensor(C.FFN_GATE, i)]  # an up/down-only FFN (Falcon/OPT style)
+    p = tmp_path / "m.gguf"
+    write_llama(p, cfg, w)
+    before = digest(p)
+    assert_one_line_error(*invoke(p), "blk.0.ffn_gate.weight", "llama-family FFNs")
+    assert digest(p) == before
+
+
+def test_swiglu_needs_sparsity(silu_model, tmp_path):
+    before = digest(silu_model)
+    assert_one_line_error(*invoke(silu_model), "SwiGLU", "--sparsity")
+    assert digest(silu_model) == before
+
+
+def test_too_few_tokens_for_predictors(relu_model):
+    before = digest(relu_model)
+    assert_one_line_error(*invoke(relu_model, "--train-predictors", "--tokens", 200), "at least 1000",
+                          "200 tokens")
+    assert digest(relu_model) == before
+
+
+@pytest.mark.parametrize("case", ["layers", "neurons"])
+def test_import_wrong_activation_dir(relu_model, tmp_path, case):
+    act = tmp_path / "activation"
+    act.mkdir()
+    n_files, n_ff = (3, 256) if case == "layers" else (2, 100)
+    for i in range(n_files):
+        torch.save(torch.ones(n_ff), act / f"activation_{i}.pt")
+    before = digest(relu_model)
+    needle = "expected activation_N.pt files 0..1" if case == "layers" else "256 neurons per layer"
+    assert_one_line_error(*invoke(relu_model, "--import-activations", act, "--tokens", 10), needle)
+    assert digest(relu_model) == before
+
+
+def test_import_wrong_predictor_dir(relu_model, tmp_path):
+    pdir = tmp_path / "pred"
+    pdir.mkdir()
+    for i in range(2):
+        torch.save({"fc1.weight": torch.zeros(8, 64), "fc2.weight": torch.zeros(100, 8)}, pdir / f"model_{i}.pt")
+    before = digest(relu_model)
+    assert_one_line_error(*invoke(relu_model, "--import-predictors", pdir), "fc2 [256, r]")
+    assert digest(relu_model) == before
