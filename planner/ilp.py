@@ -93,7 +93,9 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
     prob, v = build_model(p, objective, fixed_dense, exact)
     if start is not None:
         set_start(p, v, start)
-    engine = _solver(solver, time_limit, gap, threads, warm_start=start is not None)
+    # One GPU: the root LP is tight, and with a good start CBC's own heuristics and cuts only cost time. Several GPUs:
+    # the layer_on binaries leave the root LP ~1% loose and CBC needs its cuts to close it.
+    engine = _solver(solver, time_limit, gap, threads, warm_start=start is not None, lean=p.n_gpus == 1)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pi-plan-") as tmp:
@@ -135,7 +137,7 @@ def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads:
     most, then COARSE_STEPS per doubling), ~20x fewer rows. Its polished plan is a valid start for the fine model.
     """
     candidates = [heuristic_plan(p)] + [b.plan for b in all_baselines(p).values() if b.time is not None]
-    if p.bounds is None and max(len(p.breakpoints(l)) for l in range(p.model.n_layer)) > 64:
+    if p.n_gpus == 1 and p.bounds is None and max(len(p.breakpoints(l)) for l in range(p.model.n_layer)) > 64:
         coarse = dataclasses.replace(p, bounds=[_geometric(p.breakpoints(l)) for l in range(p.model.n_layer)])
         with contextlib.suppress(PinferError):
             candidates.append(solve(coarse, "time", solver, time_limit, gap, threads).plan)
@@ -388,12 +390,13 @@ def solver_available(name: str) -> bool:
         return False
 
 
-def _make_solver(name: str, time_limit: float, gap: float, threads: int, warm_start: bool = False):
+def _make_solver(name: str, time_limit: float, gap: float, threads: int, warm_start: bool = False,
+                 lean: bool = False):
     if name == "cbc":
         # Preprocessing only strengthens the prefix rows, which the perspective form already makes tight. With a
-        # heuristic start the root LP usually closes the gap at once; CBC's own heuristics and cuts would then spend
-        # seconds on tens of thousands of rows for nothing (it still branches if the gap stays open).
-        options = ["preprocess off"] + (["heur off", "cuts off"] if warm_start else [])
+        # good start and a tight root LP (lean) the gap usually closes at the root; CBC's own heuristics and cuts
+        # would then spend seconds on tens of thousands of rows for nothing (it still branches if the gap stays open).
+        options = ["preprocess off"] + (["heur off", "cuts off"] if warm_start and lean else [])
         with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC in favour of pulp[cbc] in 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
             return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads,
@@ -403,12 +406,13 @@ def _make_solver(name: str, time_limit: float, gap: float, threads: int, warm_st
     raise PinferError(f"unknown --solver '{name}' (one of {', '.join(SOLVERS)})")
 
 
-def _solver(name: str, time_limit: float, gap: float, threads: int | None, warm_start: bool = False):
+def _solver(name: str, time_limit: float, gap: float, threads: int | None, warm_start: bool = False,
+            lean: bool = False):
     if time_limit <= 0:
         raise PinferError(f"--time-limit must be positive, got {time_limit}")
     if not 0 <= gap < 1:
         raise PinferError(f"--gap is a fraction in [0, 1), got {gap}")
-    engine = _make_solver(name, time_limit, gap, threads or min(os.cpu_count() or 1, 8), warm_start)
+    engine = _make_solver(name, time_limit, gap, threads or min(os.cpu_count() or 1, 8), warm_start, lean)
     if not engine.available():
         hint = ("install highspy (pip install 'pinfer[solvers]') or use --solver cbc" if name == "highs"
                 else "reinstall pulp, which bundles CBC, or install highspy and use --solver highs")

@@ -164,3 +164,11 @@ def test_planning_never_reads_weights(tmp_path, monkeypatch):
     p = build_problem(path, fast_hw([gpu()]))
     solve(p)
     assert read and all(n.endswith("act_counts") for n in read)
+
+
+def test_kv_cache_type(tmp_path):
+    path = tiny_model(tmp_path / "m.gguf")
+    hw = fast_hw([gpu()])
+    f16 = build_problem(path, hw, ctx_size=100).model.layers[0].kv
+    f32 = build_problem(path, hw, ctx_size=100, kv_type="f32").model.layers[0].kv
+    assert f32 == 2 * f16 == 2 * (2 * 100 * 2 * 16 * 2)
