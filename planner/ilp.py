@@ -140,7 +140,8 @@ def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads:
     if p.n_gpus == 1 and p.bounds is None and max(len(p.breakpoints(l)) for l in range(p.model.n_layer)) > 64:
         coarse = dataclasses.replace(p, bounds=[_geometric(p.breakpoints(l)) for l in range(p.model.n_layer)])
         with contextlib.suppress(PinferError):
-            candidates.append(solve(coarse, "time", solver, time_limit, gap, threads).plan)
+            # only a start: a short leash, the fine solve gets the user's time limit
+            candidates.append(solve(coarse, "time", solver, min(time_limit / 3, 10.0), gap, threads).plan)
     best, best_time = None, math.inf
     for plan in candidates:
         if plan is None:
