@@ -114,10 +114,6 @@ class Hardware:
     def pcie_gbs(self, gpu: GPU) -> float:
         return self.pcie_bw_gbs if self.pcie_bw_gbs is not None else gpu.pcie_gbs
 
-    @property
-    def label(self) -> str:
-        return "+".join(g.name for g in self.gpus) if self.gpus else "cpu-only"
-
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

@@ -384,13 +384,6 @@ def _fix(var: pulp.LpVariable, value: bool) -> None:
 
 # --- solvers ------------------------------------------------------------------------------------------------------
 
-def solver_available(name: str) -> bool:
-    try:
-        return bool(_make_solver(name, 1.0, 1e-3, 1).available())
-    except PinferError:
-        return False
-
-
 def _make_solver(name: str, time_limit: float, gap: float, threads: int, warm_start: bool = False,
                  lean: bool = False):
     if name == "cbc":

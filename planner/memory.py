@@ -250,7 +250,3 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
 def _ranges(d) -> str:
     keys = sorted(d)
     return f"{keys[0]}..{keys[-1]}" if keys else "none"
-
-
-def gib(nbytes: float) -> str:
-    return f"{nbytes / (1 << 30):.2f} GiB"

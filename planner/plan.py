@@ -54,8 +54,3 @@ class Plan:
     def gpu_buckets(self, order: list[np.ndarray]) -> list[np.ndarray]:
         """Per layer, sorted I32 indices of the GPU neurons (PowerInfer gpu_bucket)."""
         return [np.sort(idx[:k]).astype(np.int32) for k, idx in zip(self.n_gpu, order, strict=True)]
-
-    def same_as(self, other: Plan) -> bool:
-        return (np.array_equal(self.attn, other.attn) and np.array_equal(self.pred, other.pred)
-                and np.array_equal(self.ffn_gpu, other.ffn_gpu) and np.array_equal(self.n_gpu, other.n_gpu)
-                and self.output == other.output)
