@@ -86,6 +86,10 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             os.fsync(fh.fileno())
         if dest.exists():  # keep the original's permissions
             os.chmod(tmp, dest.stat().st_mode & 0o7777)
+        else:  # mkstemp creates 0600; a new file gets the usual 0666 less the umask
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, dest)
         with contextlib.suppress(OSError):  # make the rename itself durable
             dfd = os.open(dest.parent, os.O_RDONLY)
