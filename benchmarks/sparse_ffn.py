@@ -14,7 +14,8 @@ The machine is shared: a repetition during which other processes used more than 
 (/proc/stat busy time minus our own) is dropped and redone, unless --noisy. Reported: medians over kept repetitions;
 "speed-up" = median(dense) / median(sparse); "paired" = median over repetitions of dense / sparse of the same
 repetition; p10 = 10th percentile time. GB/s = weight bytes the call must read (all rows for dense, the selected rows
-for sparse) / median time. The stream bound is torch.sum over 1 GiB of fp32, quiet repetitions only.
+for sparse) / median time. The stream bound is the faster of torch.sum and torch.mv over 1 GiB of fp32 (quiet
+repetitions only).
 """
 
 from __future__ import annotations
@@ -77,18 +78,23 @@ class OthersCPU:
 
 
 def stream_gbs(reps: int = 9, quiet_only: bool = True) -> float:
-    """torch.sum over 1 GiB of fp32 (far beyond L3): a practical DRAM read bound, quiet repetitions only."""
+    """A practical DRAM read bound: the best of torch.sum and an MKL GEMV over 1 GiB of fp32 (far beyond L3)."""
     buf = torch.ones(256 << 20 >> 2)
-    buf.sum()
-    ts: list[float] = []
-    for _ in range(reps * 10):
-        with OthersCPU() as others:
-            t = timed(buf.sum)
-        if not quiet_only or others.seconds <= QUIET_TOLERANCE:
-            ts.append(t)
-        if len(ts) == reps:
-            break
-    return buf.nbytes / statistics.median(ts) / 1e9 if ts else float("nan")
+    mat, vec = buf.view(-1, 4096), torch.ones(4096)
+    best = 0.0
+    for fn, args in ((buf.sum, ()), (torch.mv, (mat, vec))):
+        fn(*args)
+        ts: list[float] = []
+        for _ in range(reps * 10):
+            with OthersCPU() as others:
+                t = timed(fn, *args)
+            if not quiet_only or others.seconds <= QUIET_TOLERANCE:
+                ts.append(t)
+            if len(ts) == reps:
+                break
+        if ts:
+            best = max(best, buf.nbytes / statistics.median(ts) / 1e9)
+    return best or float("nan")
 
 
 def timed(fn, *args) -> float:
@@ -144,7 +150,7 @@ def _p10(ts: list[float]) -> float:
     return sorted(ts)[len(ts) // 10]
 
 
-def bench_layouts(d, n_ff, frac, reps, warmup, min_bytes) -> list[dict]:
+def bench_layouts(d, n_ff, frac, reps, warmup, min_bytes, quiet_only=True) -> list[dict]:
     """The packed layout (interleaved gate/up, huge pages) against the file's layout (separate gate, up, down_t in
     ordinary memory), same kernels: two SDDMM calls instead of one."""
     import torch.nn.functional as F
@@ -171,53 +177,88 @@ def bench_layouts(d, n_ff, frac, reps, warmup, min_bytes) -> list[dict]:
         return (F.relu(F.linear(x, gate)) * F.linear(x, up)) @ down_t
 
     cases = {"packed dense": [], "separate dense": [], "packed sparse": [], "separate sparse": []}
-    for rep in range(reps + warmup):
+    for rep in range((reps + warmup) * 20):
         j = rep % len(packed)
         idx = random_idx(n_ff, k)
-        ts = {"packed dense": timed(S.ffn_dense, packed[j], x),
-              "separate dense": timed(sep_dense, separate[j - 1]),
-              "packed sparse": timed(S.ffn_sparse, packed[j - 1], x, idx),
-              "separate sparse": timed(sep_sparse, separate[j], idx)}
-        if rep >= warmup:
+        with OthersCPU() as others:
+            ts = {"packed dense": timed(S.ffn_dense, packed[j], x),
+                  "separate dense": timed(sep_dense, separate[j - 1]),
+                  "packed sparse": timed(S.ffn_sparse, packed[j - 1], x, idx),
+                  "separate sparse": timed(sep_sparse, separate[j], idx)}
+        if rep >= warmup and (not quiet_only or others.seconds <= QUIET_TOLERANCE):
             for name, t in ts.items():
                 cases[name].append(t)
-    return [dict(case=name, active=1.0 if "dense" in name else frac, ms=statistics.median(v) * 1e3)
-            for name, v in cases.items()]
+        if len(cases["packed dense"]) == reps:
+            break
+    return [dict(case=name, active=1.0 if "dense" in name else frac, reps=len(v),
+                 ms=statistics.median(v) * 1e3 if v else float("nan")) for name, v in cases.items()]
 
 
-def bench_prefill(layers, Ts, densities, reps, warmup) -> list[dict]:
-    """Dense vs sparse time for T tokens at union density rho; break-even rho per T."""
+def bench_prefill(layers, Ts, densities, reps, quiet_only=True, max_attempts=20) -> list[dict]:
+    """Sparse speed-up over dense for T tokens at union density rho: the median over quiet repetitions of the ratio
+    of a dense call and the sparse call right after it; the break-even density per T interpolates where it is 1."""
     w0 = layers[0]
     out = []
+    i = 0
     for T in Ts:
         x = torch.randn(T, w0.n_embd).to(w0.dtype)
-        times = {"dense": []} | {rho: [] for rho in densities}
-        i = 0
-        for rep in range(reps + warmup):
-            w = layers[i % len(layers)]
-            i += 1
-            t = timed(S.ffn_dense, w, x)
-            if rep >= warmup:
-                times["dense"].append(t)
-            for rho in densities:
-                w = layers[i % len(layers)]
-                i += 1
-                idx = random_idx(w0.n_ff, int(round(rho * w0.n_ff)))
-                t = timed(S.ffn_sparse, w, x, idx)
-                if rep >= warmup:
-                    times[rho].append(t)
-        dense = statistics.median(times["dense"])
-        ratios = {rho: dense / statistics.median(times[rho]) for rho in densities}
-        # break-even: largest density whose speed-up is still > 1 (linear interpolation between grid points)
-        be = 0.0
+        ratios, dense_ts = {}, []
+        for rho in densities:
+            idx_k = int(round(rho * w0.n_ff))
+            r: list[float] = []
+            for _ in range(reps * max_attempts):
+                idx = random_idx(w0.n_ff, idx_k)
+                with OthersCPU() as others:
+                    t0 = time.perf_counter()
+                    td = timed(S.ffn_dense, layers[i % len(layers)], x)
+                    ts = timed(S.ffn_sparse, layers[(i + 1) % len(layers)], x, idx)
+                    wall = time.perf_counter() - t0
+                i += 2
+                if quiet_only and others.seconds > max(QUIET_TOLERANCE, 0.05 * wall * torch.get_num_threads()):
+                    continue
+                r.append(td / ts)
+                dense_ts.append(td)
+                if len(r) == reps:
+                    break
+            ratios[rho] = statistics.median(r) if r else float("nan")
+        be = 0.0  # break-even: where the speed-up crosses 1, linear between grid points
         for a, b in zip(densities, densities[1:], strict=False):
             if ratios[a] >= 1 > ratios[b]:
                 be = a + (b - a) * (ratios[a] - 1) / (ratios[a] - ratios[b])
                 break
         else:
             be = densities[-1] if ratios[densities[-1]] >= 1 else 0.0
-        out.append(dict(T=T, dense_ms=dense * 1e3, speedups={f"{r:g}": round(v, 3) for r, v in ratios.items()},
+        out.append(dict(T=T, dense_ms=statistics.median(dense_ts) * 1e3 if dense_ts else float("nan"),
+                        speedups={f"{r:g}": round(v, 3) for r, v in ratios.items()},
                         break_even_density=round(be, 3), rule_density=round(S.sparse_max_density(T), 3)))
+    return out
+
+
+def bench_paths(layers, Ts, densities, reps, quiet_only=True, max_attempts=20) -> list[dict]:
+    """For few tokens: the per-token SDDMM/axpy path against gathering the rows once and running GEMMs; the ratio
+    (SDDMM time / gather time, >1: gathering wins) is what GATHER_MIN_T is set from."""
+    w0, out, i = layers[0], [], 0
+    saved = S.GATHER_MIN_T
+    try:
+        for T in Ts:
+            x = torch.randn(T, w0.n_embd).to(w0.dtype)
+            for rho in densities:
+                r: list[float] = []
+                for _ in range(reps * max_attempts):
+                    idx = random_idx(w0.n_ff, int(round(rho * w0.n_ff)))
+                    with OthersCPU() as others:
+                        S.GATHER_MIN_T = 10 ** 9
+                        t_sddmm = timed(S.ffn_sparse, layers[i % len(layers)], x, idx)
+                        S.GATHER_MIN_T = 1
+                        t_gather = timed(S.ffn_sparse, layers[(i + 1) % len(layers)], x, idx)
+                    i += 2
+                    if not quiet_only or others.seconds <= QUIET_TOLERANCE:
+                        r.append(t_sddmm / t_gather)
+                    if len(r) == reps:
+                        break
+                out.append(dict(T=T, density=rho, sddmm_over_gather=round(statistics.median(r), 3) if r else None))
+    finally:
+        S.GATHER_MIN_T = saved
     return out
 
 
@@ -232,7 +273,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--min-bytes", type=int, default=8 * L3_BYTES, help="total weight bytes across layer copies")
     ap.add_argument("--layouts", action="store_true", help="also compare packed vs separate layouts (fp32)")
-    ap.add_argument("--prefill", action="store_true", help="also measure the dense/sparse break-even per T")
+    ap.add_argument("--prefill", action="store_true", help="also measure the dense/sparse break-even per T (f32)")
+    ap.add_argument("--skip-decode", action="store_true", help="only the --prefill / --layouts parts")
+    ap.add_argument("--prefill-t", default="1,2,3,4,8,16,32,64,128", help="token counts for --prefill")
     ap.add_argument("--decode-t", type=int, default=1, help="tokens per call in the decode table")
     ap.add_argument("--noisy", action="store_true", help="keep repetitions during which other processes ran")
     ap.add_argument("--json", action="store_true")
@@ -245,15 +288,19 @@ def main() -> int:
                   stream_gbs=round(stream_gbs(quiet_only=not args.noisy), 2))
     for name in args.dtype.split(","):
         layers = make_layers(args.d, args.n_ff, DTYPES[name], args.min_bytes)
-        rows, kept = bench_decode(layers, fracs, args.reps, args.warmup, args.decode_t, not args.noisy)
-        result["decode"][name] = dict(layer_copies=len(layers), rows=rows, **kept)
+        if not args.skip_decode:
+            rows, kept = bench_decode(layers, fracs, args.reps, args.warmup, args.decode_t, not args.noisy)
+            result["decode"][name] = dict(layer_copies=len(layers), rows=rows, **kept)
         if args.prefill and name == "f32":
-            result["prefill"] = bench_prefill(layers, [1, 2, 4, 8, 16, 32, 64, 128, 256],
+            result["prefill"] = bench_prefill(layers, [int(t) for t in args.prefill_t.split(",")],
                                               [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
-                                              max(5, args.reps // 4), 2)
+                                              max(5, args.reps // 4), not args.noisy)
+            result["paths"] = bench_paths(layers, [1, 2, 3, 4, 6, 8], [0.1, 0.3], max(5, args.reps // 4),
+                                          not args.noisy)
         del layers
     if args.layouts:
-        result["layouts"] = bench_layouts(args.d, args.n_ff, fracs[0], args.reps, args.warmup, args.min_bytes)
+        result["layouts"] = bench_layouts(args.d, args.n_ff, fracs[0], args.reps, args.warmup, args.min_bytes,
+                                           not args.noisy)
     result["load_avg_after"] = os.getloadavg()
 
     if args.json:
@@ -274,6 +321,10 @@ def main() -> int:
         print("\nlayouts (fp32, T=1)")
         for row in result["layouts"]:
             print(f"{row['case']:>16} {row['active']:>5.0%} {row['ms']:>8.2f} ms")
+    if "paths" in result:
+        print("\nfew tokens: SDDMM/axpy time / gather+GEMM time (> 1: gathering wins)")
+        for row in result["paths"]:
+            print(f"T={row['T']:>3} density {row['density']:.0%}: {row['sddmm_over_gather']}")
     if "prefill" in result:
         print("\nprefill: sparse speed-up over dense by union density; break-even density vs the rule in sparse_ffn")
         dens = list(result["prefill"][0]["speedups"])

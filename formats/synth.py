@@ -279,7 +279,8 @@ def _thresholds(y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     (tokens that cannot fire). Empirical quantile where at least TAIL_TOKENS tokens lie on each side, else the
     quantile of a Gaussian fitted to the finite values."""
     N, n = y.shape
-    ys = torch.sort(y.T.contiguous(), dim=1).values.T  # ascending per neuron (sorting rows is much faster)
+    # ascending per neuron; numpy's vectorised (AVX-512) sort of contiguous rows is ~10x faster than torch.sort
+    ys = torch.from_numpy(np.sort(y.T.contiguous().numpy(), axis=1)).T
     k = f.double() * N  # tokens that must lie above theta
     pos = (N - k - 0.5).clamp(0, N - 1)  # fractional index of the midpoint between the two order statistics
     lo = pos.floor().long().clamp(max=N - 2)

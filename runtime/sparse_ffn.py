@@ -34,12 +34,16 @@ from formats.errors import PinferError
 
 ACTIVATIONS = ("silu", "relu", "drelu")
 
-# Tokens from which the sparse path gathers rows once and runs GEMMs instead of per-token SDDMM/axpy passes.
-GATHER_MIN_T = 4
+# Tokens from which the sparse path gathers rows once and runs GEMMs instead of per-token SDDMM/axpy passes. Measured
+# (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads): SDDMM/gather time = 1.17 (T=2, 10% dense) / 0.76 (30%),
+# 1.51 / 1.14 at T=3, 1.44-1.79 / 1.01-1.41 for T=4..8.
+GATHER_MIN_T = 3
 SDDMM_DTYPES = (torch.float32, torch.float64)  # dtypes torch.sparse.sampled_addmm supports on the CPU
-# Largest union density at which the sparse path still beats dense, by token count (measured; see README of the
-# benchmark and the report in benchmarks/sparse_ffn.py --prefill). Linear interpolation in T between entries.
-SPARSE_MAX_DENSITY = ((1, 0.60), (2, 0.45), (4, 0.40), (16, 0.45), (64, 0.55), (256, 0.65))
+# Largest union density at which ffn_sparse still beats ffn_dense, by token count: the measured break-even (same
+# benchmark, quiet machine: 0.71, 0.54, 0.37, 0.46, 0.56, 0.47, 0.53, 0.64, 0.72 at T = 1, 2, 3, 4, 8, 16, 32, 64,
+# 128) less a 0.05 margin, since sparse that barely wins is not worth the risk. Linear in T between entries.
+SPARSE_MAX_DENSITY = ((1, 0.65), (2, 0.50), (3, 0.35), (4, 0.40), (8, 0.45), (16, 0.45), (32, 0.50), (64, 0.60),
+                      (128, 0.70))
 
 with warnings.catch_warnings():  # torch warns once per process that CSR is "beta"; spend that warning here
     warnings.simplefilter("ignore")
