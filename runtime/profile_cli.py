@@ -265,7 +265,7 @@ def run(
     = ",".join(map(str, (16, 32, 64, 128, 256, 512, 1024, 2048))),
     max_fraction: Annotated[float, typer.Option("--max-fraction", help="Largest predictor size as a fraction of "
                             "the layer's FFN bytes.")] = 0.10,
-    steps: Annotated[int, typer.Option("--steps", help="Gradient steps refining each predictor.")] = 300,
+    steps: Annotated[int, typer.Option("--steps", help="Most gradient steps refining each predictor.")] = 600,
     sample_tokens: Annotated[int, typer.Option("--sample-tokens", help="Tokens kept per layer as training pairs.")]
     = 8192,
     import_activations: Annotated[Path | None, typer.Option("--import-activations", help="PowerInfer activation/ "

@@ -316,6 +316,20 @@ def test_fold_thresholds_keeps_decisions():
     assert P.fold_thresholds(mixed) is None and [p.threshold for p in mixed] == [-1.0, 1.0]
 
 
+def test_per_layer_thresholds_when_signs_differ(relu_model, tmp_path):
+    from formats.writer import rewrite_gguf
+
+    rng = np.random.default_rng(0)
+    preds = [P.LayerPredictor(rng.standard_normal((8, 64)).astype(np.float16),
+                              rng.standard_normal((256, 8)).astype(np.float16), t) for t in (-0.5, 0.25)]
+    assert P.fold_thresholds(preds) is None
+    meta, tensors, drop = P.predictor_entries(preds, None, "relu", "pi-profile")
+    out = tmp_path / "m.gguf"
+    rewrite_gguf(open_gguf(relu_model), out, set_metadata=meta, set_tensors=tensors, drop_keys=drop, progress=False)
+    loaded = load_predictors(open_gguf(out), 2)
+    assert [p.threshold for p in loaded] == [-0.5, 0.25]
+
+
 # --- bad input --------------------------------------------------------------------------------------------------------
 
 def test_no_ffn_we_understand(tmp_path):
