@@ -124,6 +124,8 @@ SYNTH_TARGET_FREQ = "pinfer.synth.target_freq.{bid}"  # f32 array [n_ff]: plante
 SYNTH_SEED = "pinfer.synth.seed"  # u32
 SYNTH_SPARSITY = "pinfer.synth.sparsity"  # f32: planted mean fraction of inactive neurons per token
 SYNTH_SKEW = "pinfer.synth.skew"  # f32: power-law exponent of frequency over neuron rank
+SYNTH_GATE_RANK = "pinfer.synth.gate_rank"  # u32: rank of the gate rows' shared subspace (0: isotropic)
+SYNTH_GATE_NOISE = "pinfer.synth.gate_noise"  # f32: share of gate-row variance outside it
 SYNTH_CALIB_TOKENS = "pinfer.synth.calib_tokens"  # u32: random tokens each layer was calibrated on
 SYNTH_TOP1_PROB = "pinfer.synth.top1_prob"  # f32: mean top-1 next-token probability on the calibration batch
 

@@ -19,6 +19,10 @@ Mechanism
    neuron fires iff y_it = z_it / s_t exceeds theta_i, and theta_i is the (1 - f_i) quantile of y_i: exact, with no
    Gaussian assumption. For dReLU the up row gets the same treatment at frequency sqrt(f_i), and theta_i is the
    quantile of y_i over the tokens whose up is positive, so that P(gate > 0 and up > 0) = f_i.
+   The g_i are not isotropic: they share a random rank-r subspace (r = gate_rank, default n_embd/32) that holds
+   1 - gate_noise (default 90%) of their variance, as trained gate matrices concentrate on few directions. Which
+   neurons fire is then predictable from the residual by a small network, as PowerInfer's predictors need; with
+   isotropic rows (gate_rank 0) no predictor of a few percent of the FFN's size can be precise.
 4. Layer-by-layer calibration. The quantiles are taken on a batch of random token sequences run through the model
    built so far (attention, RoPE, GQA, earlier FFNs, all with weights already rounded to the storage dtype), so deep
    layers hit their targets as well as the first. Frequencies too small (or large) to have 10 tokens on either side
@@ -91,6 +95,8 @@ class SynthSpec:
     dtype: str = "f32"  # storage type of the matrices ("f32" | "f16"); norms are always F32
     sparsity: float = 0.9  # planted mean fraction of inactive neurons per token, every layer
     skew: float = 1.0  # power-law exponent of the per-neuron frequencies over rank (0 = all equal)
+    gate_rank: int | None = None  # rank of the gate rows' shared subspace (None: n_embd // 32, 0: isotropic)
+    gate_noise: float = 0.1  # share of each gate row's variance outside that subspace
     variant: str = "relu"  # "relu" (ReGLU, arch llama) | "drelu" (arch bamboo)
     seed: int = 0
     n_ctx: int = 2048
@@ -123,6 +129,10 @@ class SynthSpec:
             bad = f"sparsity {self.sparsity} leaves a mean frequency above {F_MAX}"
         elif self.skew < 0:
             bad = f"skew {self.skew} must be >= 0"
+        elif self.gate_rank is not None and not 0 <= self.gate_rank < self.n_embd:
+            bad = f"gate_rank {self.gate_rank} must be in 0..{self.n_embd - 1}"
+        elif not 0.0 <= self.gate_noise <= 1.0:
+            bad = f"gate_noise {self.gate_noise} must be in [0, 1]"
         elif self.calib_tokens < self.calib_seq_len or self.calib_seq_len < 2:
             bad = "calib_tokens must be at least calib_seq_len, and calib_seq_len at least 2"
         if bad:
@@ -131,6 +141,10 @@ class SynthSpec:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def effective_gate_rank(self) -> int:
+        return max(4, self.n_embd // 32) if self.gate_rank is None else self.gate_rank
 
     @property
     def arch(self) -> str:
@@ -313,6 +327,17 @@ class _Builder:
     def randn(self, *shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen) * std
 
+    def feature_rows(self, n: int) -> torch.Tensor:
+        """n random rows of entry std d^-1/2 that share a rank-r subspace except for a gate_noise share of their
+        variance (trained LLMs' gate rows are far from isotropic, which is what makes small predictors work)."""
+        d, r, rho = self.spec.n_embd, self.spec.effective_gate_rank, self.spec.gate_noise
+        w = self.randn(n, d, std=d ** -0.5)
+        if r == 0:
+            return w
+        basis, _ = torch.linalg.qr(self.randn(d, r, std=1.0))  # (d, r) orthonormal
+        low = self.randn(n, r, std=d ** -0.5 * math.sqrt(d / r)) @ basis.T
+        return low.mul_(math.sqrt(1.0 - rho)).add_(w, alpha=math.sqrt(rho))
+
     def perp(self, w: torch.Tensor) -> torch.Tensor:
         """Rows of w with their component along u removed (in place)."""
         return w.sub_(torch.outer(w @ self.u, self.u))
@@ -377,13 +402,13 @@ def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthRe
         if not bool((s > 0).all()):
             raise RuntimeError("synth: constant direction lost its sign through the norm; lower NORM_JITTER")
         f = torch.from_numpy(target[bid])
-        up = b.perp(b.randn(n_ff, d, std=d ** -0.5))
+        up = b.perp(b.feature_rows(n_ff) if spec.variant == "drelu" else b.randn(n_ff, d, std=d ** -0.5))
         if spec.variant == "drelu":
             theta_up = _thresholds((xn @ up.T).div_(s[:, None]), f.sqrt())
             up.sub_(torch.outer(theta_up, b.u))
         up = b.rounded(up)
         up_x = xn @ up.T  # (N, n_ff) up pre-activations with the stored weights
-        g = b.perp(b.randn(n_ff, d, std=d ** -0.5))
+        g = b.perp(b.feature_rows(n_ff))
         y = (xn @ g.T).div_(s[:, None])  # (N, n_ff)
         if spec.variant == "drelu":  # only tokens whose up is positive can fire
             y.masked_fill_(up_x <= 0, -math.inf)
@@ -433,6 +458,7 @@ def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthRe
         ak(C.VOCAB_SIZE): V,
         C.FFN_ACTIVATION: spec.variant,
         C.SYNTH_SEED: spec.seed, C.SYNTH_SPARSITY: float(spec.sparsity), C.SYNTH_SKEW: float(spec.skew),
+        C.SYNTH_GATE_RANK: spec.effective_gate_rank, C.SYNTH_GATE_NOISE: float(spec.gate_noise),
         C.SYNTH_CALIB_TOKENS: int(ids.numel()), C.SYNTH_TOP1_PROB: top1,
     }
     for bid in range(L):
@@ -529,6 +555,9 @@ def cli(
     dtype: Annotated[str, typer.Option(help="f32 | f16")] = "f32",
     sparsity: Annotated[float, typer.Option(help="planted mean fraction of inactive neurons")] = 0.9,
     skew: Annotated[float, typer.Option(help="power-law exponent of neuron frequencies over rank")] = 1.0,
+    gate_rank: Annotated[int | None, typer.Option(help="rank of the gate rows' shared subspace (default n_embd/32; "
+                                                  "0: isotropic)")] = None,
+    gate_noise: Annotated[float, typer.Option(help="share of gate-row variance outside that subspace")] = 0.1,
     variant: Annotated[str, typer.Option(help="relu (ReGLU, arch llama) | drelu (arch bamboo)")] = "relu",
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     calib_tokens: Annotated[int, typer.Option(help="calibration tokens per layer")] = 2048,
@@ -545,6 +574,7 @@ def cli(
         if n_head is not None and n_head_kv is None:
             base["n_head_kv"] = n_head
         spec = SynthSpec(**base, vocab=vocab, vocab_size=vocab_size, dtype=dtype, sparsity=sparsity, skew=skew,
+                         gate_rank=gate_rank, gate_noise=gate_noise,
                          variant=variant, seed=seed, calib_tokens=calib_tokens, logit_std=logit_std)
         res = generate(out, spec, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     except BaseException as e:  # noqa: BLE001

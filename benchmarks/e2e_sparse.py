@@ -1,0 +1,130 @@
+"""End to end on a planted ReluLLaMA-shaped model: sparse decode (predictors) vs dense decode, and top-1 agreement.
+
+    python benchmarks/e2e_sparse.py                    # makes the model and its predictors on first use (cached)
+    python benchmarks/e2e_sparse.py --rounds 5 --tokens 32 --json
+
+1. The model: formats.synth with a TinyLlama-like Llama-2 shape (22 layers, d 2048, n_ff 5632, 32 heads, 4 kv
+   heads, SmolLM2's 49k vocabulary: ~1.1B parameters), 90% planted sparsity, stored F32 (see --dtype).
+2. Its predictors: `pi-profile MODEL --train-predictors` over the built-in corpus, written into the file.
+3. Decode speed: dense and sparse runs alternate in fresh subprocesses (so machine noise hits both alike); reported
+   are the medians over rounds and the median of per-round ratios.
+4. Quality: logits over the held-out text, teacher-forced, in both modes; top-1 agreement over positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_MODEL = ROOT / "benchmarks/results/planted-1b.gguf"
+PROMPT = "The old lighthouse keeper climbed the stairs"
+
+
+def ensure_model(path: Path, args) -> None:
+    from formats.reader import open_gguf
+
+    if not path.exists():
+        from formats.synth import SynthSpec, generate
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        n_layer, d, ff, h, hkv = (int(v) for v in args.shape.split(","))
+        print(f"generating {path} ...", file=sys.stderr)
+        t = time.perf_counter()
+        res = generate(path, SynthSpec(n_layer=n_layer, n_embd=d, n_ff=ff, n_head=h, n_head_kv=hkv, dtype=args.dtype,
+                                       sparsity=args.sparsity, seed=0, name="planted-relullama-1b"))
+        print(f"  {res.n_params / 1e9:.2f}B parameters in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    if not open_gguf(path).has("blk.0.fc1.weight"):
+        print("training predictors (pi-profile --train-predictors) ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "runtime.profile_cli", str(path), "--train-predictors", "-t", str(args.threads)]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def worker(path: str, mode: str, threads: int, tokens: int) -> dict:
+    from runtime import load_model
+
+    m = load_model(path, threads=threads, ffn_mode=mode, ctx_size=256)
+    ids = m.tokenizer.encode(PROMPT)
+    list(m.generate(ids, max_tokens=4, temperature=0.0, stop_ids=set()))  # warm-up
+    out = list(m.generate(ids, max_tokens=tokens, temperature=0.0, stop_ids=set()))
+    frac = m.sparsity()
+    return {"decode_tps": m.stats.decode_tps, "tokens": len(out),
+            "active_fraction": None if frac is None else sum(frac) / len(frac)}
+
+
+def agreement(path: str, threads: int, n_tokens: int) -> dict:
+    from runtime import load_model
+    from runtime.profile import HELDOUT
+
+    text = HELDOUT.read_text(encoding="utf-8")
+    dense = load_model(path, threads=threads, ffn_mode="dense", ctx_size=n_tokens + 8)
+    ids = dense.tokenizer.encode(text)[:n_tokens]
+    a = dense.forward_logits(ids)
+    del dense
+    sparse = load_model(path, threads=threads, ffn_mode="sparse", ctx_size=n_tokens + 8)
+    b = sparse.forward_logits(ids)
+    frac = sparse.sparsity()
+    return {"positions": len(ids), "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
+            "active_fraction": sum(frac) / len(frac)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--shape", default="22,2048,5632,32,4", help="n_layer,n_embd,n_ff,n_head,n_head_kv")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "f16"])
+    ap.add_argument("--sparsity", type=float, default=0.9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--agree-tokens", type=int, default=512)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", choices=["dense", "sparse"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        print(json.dumps(worker(str(args.model), args.worker, args.threads, args.tokens)))
+        return
+    ensure_model(args.model, args)
+    runs = {"dense": [], "sparse": []}
+    ratios = []
+    for r in range(args.rounds):
+        res = {}
+        for mode in (("dense", "sparse") if r % 2 == 0 else ("sparse", "dense")):
+            cmd = [sys.executable, __file__, "--worker", mode, "--model", str(args.model), "--threads",
+                   str(args.threads), "--tokens", str(args.tokens)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+            res[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[mode].append(res[mode])
+        ratios.append(res["sparse"]["decode_tps"] / res["dense"]["decode_tps"])
+        if not args.json:
+            print(f"round {r + 1}: dense {res['dense']['decode_tps']:.2f} tok/s, sparse "
+                  f"{res['sparse']['decode_tps']:.2f} tok/s ({ratios[-1]:.2f}x)", file=sys.stderr)
+    agree = agreement(str(args.model), args.threads, args.agree_tokens)
+    summary = {
+        "model": str(args.model), "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
+        "dense_decode_tps": statistics.median(x["decode_tps"] for x in runs["dense"]),
+        "sparse_decode_tps": statistics.median(x["decode_tps"] for x in runs["sparse"]),
+        "speedup_median_of_rounds": statistics.median(ratios),
+        "sparse_active_fraction_decode": statistics.median(x["active_fraction"] for x in runs["sparse"]),
+        "agreement": agree,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(f"{args.model.name}: dense {summary['dense_decode_tps']:.2f} tok/s, sparse "
+          f"{summary['sparse_decode_tps']:.2f} tok/s, speed-up {summary['speedup_median_of_rounds']:.2f}x (median of "
+          f"{args.rounds} rounds); sparse computes {summary['sparse_active_fraction_decode']:.1%} of FFN neurons")
+    print(f"top-1 agreement sparse vs dense over {agree['positions']} held-out positions: "
+          f"{agree['top1_agreement']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
