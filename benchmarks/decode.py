@@ -136,10 +136,12 @@ def main() -> None:
         t.add_column(c, justify="right" if c != "engine" else "left")
     for e in engines:
         s = summary["engines"][e]
-        t.add_row(e, f"{s['decode_tps']:.1f}", f"{s['prompt_tps']:.1f}", f"{s['load_s']:.2f}", f"{s['peak_rss_mb']:.0f}")
+        t.add_row(e, f"{s['decode_tps']:.1f}", f"{s['prompt_tps']:.1f}", f"{s['load_s']:.2f}",
+                  f"{s['peak_rss_mb']:.0f}")
     Console().print(t)
     if ratios:
-        print(f"pinfer / llama.cpp decode speed: {summary['decode_ratio_vs_llamacpp']:.2f}x (median of per-round ratios)")
+        ratio = summary["decode_ratio_vs_llamacpp"]
+        print(f"pinfer / llama.cpp decode speed: {ratio:.2f}x (median of per-round ratios)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def compare(ref: np.ndarray, ours: np.ndarray, ids: list[int]) -> dict:
     lp, lq = log_softmax(ref), log_softmax(ours)
     kl = (np.exp(lp) * (lp - lq)).sum(-1)
     tgt = np.asarray(ids[1:])
-    nll = lambda l: -l[np.arange(len(tgt)), tgt].mean()  # noqa: E731
+    nll = lambda lp_: -lp_[np.arange(len(tgt)), tgt].mean()  # noqa: E731
     return {"top1_agreement": float((ref.argmax(-1) == ours.argmax(-1)).mean()), "mean_kl": float(kl.mean()),
             "max_kl": float(kl.max()), "max_abs_logit_diff": float(np.abs(ref - ours).max()),
             "ppl_llamacpp": float(np.exp(nll(lp[:-1]))), "ppl_pinfer": float(np.exp(nll(lq[:-1])))}

@@ -50,8 +50,12 @@ TOKENIZER_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
 TOKENIZER_CHAT_TEMPLATE = "tokenizer.chat_template"
 
 # llama.cpp token types (tokenizer.ggml.token_type)
-TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNUSED, TOKEN_TYPE_BYTE = (
-    1, 2, 3, 4, 5, 6)
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
 
 # --- tensors (llama layout) ---------------------------------------------------------------------------------------
 TOKEN_EMBD = "token_embd.weight"

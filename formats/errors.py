@@ -25,5 +25,6 @@ def report(exc: BaseException, verbose: bool = False, prog: str = "pinfer") -> i
     if isinstance(exc, MemoryError):
         print(f"{prog}: error: out of memory; try a smaller --ctx-size or a smaller model", file=sys.stderr)
         return 1
-    print(f"{prog}: internal error: {type(exc).__name__}: {exc} (rerun with --verbose for a traceback)", file=sys.stderr)
+    print(f"{prog}: internal error: {type(exc).__name__}: {exc} (rerun with --verbose for a traceback)",
+          file=sys.stderr)
     return 2

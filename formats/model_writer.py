@@ -26,7 +26,7 @@ def bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def byte_vocab(n_vocab: int) -> dict[str, Any]:

@@ -112,8 +112,9 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
     else:
         raise PinferError(f"{path}: tokenizer type '{kind}' is not supported (only 'gpt2' BPE and 'llama' "
                           f"SentencePiece)")
+    special_types = (C.TOKEN_TYPE_CONTROL, C.TOKEN_TYPE_USER_DEFINED)
     specials = [AddedToken(t, special=True, normalized=False)
-                for t, ty in zip(tokens, types) if ty in (C.TOKEN_TYPE_CONTROL, C.TOKEN_TYPE_USER_DEFINED) and t]
+                for t, ty in zip(tokens, types, strict=True) if ty in special_types and t]
     if specials:
         tok.add_special_tokens(specials)
     bos, eos = _get(f, C.TOKENIZER_BOS_ID), _get(f, C.TOKENIZER_EOS_ID)
@@ -157,7 +158,7 @@ def spm_merges(tokens: list[str], scores: np.ndarray, types: np.ndarray) -> list
 
 def _spm_tokenizer(tokens: list[str], scores: np.ndarray, types: np.ndarray, add_space_prefix: bool) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    unk = next((t for t, ty in zip(tokens, types) if ty == C.TOKEN_TYPE_UNKNOWN), None)
+    unk = next((t for t, ty in zip(tokens, types, strict=True) if ty == C.TOKEN_TYPE_UNKNOWN), None)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk,
                                fuse_unk=True, byte_fallback=True))
     norm = [normalizers.Replace(" ", "\u2581")]

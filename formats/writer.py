@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
@@ -152,7 +153,7 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
         w.write_ti_data_to_file()
         total = sum(a.nbytes for a in sizes.values())
         with _progress(progress and total > 256 << 20, total, f"writing {path.name}") as advance:
-            for name, data in sizes.items():
+            for data in sizes.values():
                 w.write_tensor_data(data)
                 advance(data.nbytes)
         w.close()

@@ -67,7 +67,8 @@ def print_summary(m) -> None:
 
 @app.command()
 def run(
-    model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the demo model.")],
+    model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the demo "
+                                               "model.")],
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Prompt text.")] = None,
     file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 128,

@@ -203,14 +203,15 @@ def load_linear(f: GGUFFile, names: list[str], dtype: torch.dtype, quantized: bo
         check_type(f, n)
     qt = _fast_type(f, names) if quantized else None
     if qt in INT4_TYPES:
-        q, scale, zero = (torch.cat(p, dim=0) for p in zip(*(_int4_parts(f, n) for n in names)))
+        def parts():
+            return (torch.cat(p, dim=0) for p in zip(*(_int4_parts(f, n) for n in names), strict=True))
+
         # the prefill copy is rebuilt from the file, so q (4 bytes per weight) is not kept alive
-        source = lambda: _int4_dequant(*(torch.cat(p, dim=0) for p in zip(*(_int4_parts(f, n) for n in names))))  # noqa: E731
-        return Int4Linear(q, scale, zero, dense_source=source)
+        return Int4Linear(*parts(), dense_source=lambda: _int4_dequant(*parts()))
     if qt == T.Q8_0:
-        his, los = zip(*(_q8_parts(f, n) for n in names))
-        hi = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*his)), dense_source=lambda: None)
-        lo = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*los)), dense_source=lambda: None)
+        his, los = zip(*(_q8_parts(f, n) for n in names), strict=True)
+        hi = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*his, strict=True)), dense_source=lambda: None)
+        lo = Int4Linear(*(torch.cat(p, dim=0) for p in zip(*los, strict=True)), dense_source=lambda: None)
         return SplitInt4Linear(hi, lo, lambda: torch.cat([dequantize(f, n) for n in names], dim=0))
     ws = [dequantize(f, n, dtype) for n in names]
     w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=0)

@@ -71,7 +71,8 @@ def test_rewrite_preserves_quantised_tensors_and_types(tmp_path):
 
     a = np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32)
     q = quants.quantize(a, T.Q5_1)
-    write_gguf(tmp_path / "a.gguf", {C.ARCHITECTURE: "llama", "k.u8": np.uint8(3)}, {"q": RawTensor(q, T.Q5_1, a.shape)})
+    write_gguf(tmp_path / "a.gguf", {C.ARCHITECTURE: "llama", "k.u8": np.uint8(3)},
+               {"q": RawTensor(q, T.Q5_1, a.shape)})
     f = open_gguf(tmp_path / "a.gguf")
     rewrite_gguf(f, set_tensors={"new": np.ones(3, np.float32)}, drop_keys={"k.u8"}, progress=False)
     g = open_gguf(tmp_path / "a.gguf")
@@ -99,3 +100,12 @@ def test_interrupted_rewrite_leaves_original_byte_identical(tmp_path, monkeypatc
         rewrite_gguf(f, set_metadata={"x": 1}, progress=False)
     assert (tmp_path / "m.gguf").read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]  # no temporary file left behind
+
+
+def test_new_files_get_normal_permissions(tmp_path):
+    import os
+
+    write_gguf(tmp_path / "n.gguf", {C.ARCHITECTURE: "llama"}, {"a": np.zeros(2, np.float32)})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "n.gguf").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -24,7 +24,7 @@ def hf_to_gguf(hf, cfg) -> dict[str, np.ndarray]:
         w[C.OUTPUT] = sd["lm_head.weight"]
     for i in range(cfg.n_layer):
         p = f"model.layers.{i}."
-        t = lambda name: C.tensor(name, i)  # noqa: E731
+        t = lambda name, i=i: C.tensor(name, i)  # noqa: E731
         w[t(C.ATTN_NORM)] = sd[p + "input_layernorm.weight"]
         w[t(C.ATTN_Q)] = gguf_permute(sd[p + "self_attn.q_proj.weight"], cfg.n_head)
         w[t(C.ATTN_K)] = gguf_permute(sd[p + "self_attn.k_proj.weight"], cfg.n_head_kv)

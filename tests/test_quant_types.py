@@ -7,10 +7,10 @@ from gguf.constants import GGMLQuantizationType as T
 
 from formats import constants as C
 from formats.model_writer import write_llama
+from formats.reader import open_gguf
 from formats.writer import RawTensor
 from runtime import load_model
 from runtime.linear import SUPPORTED_TYPES, dequantize
-from formats.reader import open_gguf
 from tests.tiny import random_weights, tiny_config
 
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16]  # gguf.quants can write these

@@ -33,7 +33,7 @@ def reference_forward(cfg, w: dict, ids: list[int]) -> np.ndarray:
 
     x = g[C.TOKEN_EMBD][ids]
     for li in range(cfg.n_layer):
-        t = lambda n: g[C.tensor(n, li)]  # noqa: E731
+        t = lambda n, li=li: g[C.tensor(n, li)]  # noqa: E731
         h = norm(x, t(C.ATTN_NORM))
         q, k, v = h @ t(C.ATTN_Q).T, h @ t(C.ATTN_K).T, h @ t(C.ATTN_V).T
         heads = []

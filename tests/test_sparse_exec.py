@@ -51,7 +51,8 @@ def test_cats_oracle_equals_thresholded_dense(tmp_path):
     write_llama(tmp_path / "m.gguf", cfg, w, extra_metadata={C.CATS_THRESHOLD: np.array(thr, np.float32)})
     oracle = load_model(tmp_path / "m.gguf", ffn_mode="oracle")
     ref = load_model(tmp_path / "m.gguf", ffn_mode="dense")
-    for b, t in zip(ref.transformer.blocks, thr):  # reference: the dense FFN with sub-threshold neurons zeroed
+    # reference: the dense FFN with sub-threshold neurons zeroed
+    for b, t in zip(ref.transformer.blocks, thr, strict=True):
         dense_ffn = b.ffn
 
         def masked(x, resid, ffn=dense_ffn, t=t):

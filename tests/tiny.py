@@ -25,7 +25,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict
     if not cfg.tied_embeddings:
         w[C.OUTPUT] = r(cfg.vocab_size, d)
     for i in range(cfg.n_layer):
-        t = lambda name: C.tensor(name, i)  # noqa: E731
+        t = lambda name, i=i: C.tensor(name, i)  # noqa: E731
         w[t(C.ATTN_NORM)] = 1 + r(d)
         w[t(C.ATTN_Q)] = r(cfg.n_head * hd, d)
         w[t(C.ATTN_K)] = r(cfg.n_head_kv * hd, d)
