@@ -167,3 +167,7 @@ PRED_RECALL = "pinfer.predictor.recall"  # f32 [n_layer]: recall of the stored p
 PRED_PRECISION = "pinfer.predictor.precision"  # f32 [n_layer]: precision on the same tokens
 PRED_RECALL_TARGET = "pinfer.predictor.recall_target"  # f32: the --recall the thresholds were set for
 PRED_SOURCE = "pinfer.predictor.source"  # str: "pi-profile" (trained) or "imported: DIR"
+# Largest |activation| each neuron reached while profiling. SwiGLU models have a few "massive activation" neurons
+# (e.g. on the first token) that carry hundreds of times the usual magnitude; missing one ruins a whole sequence, so
+# the runtime computes such outliers for every token whatever the predictor says (runtime/sparse.py).
+ACT_PEAK = "blk.{bid}.act_peak"  # F32 [n_ff]

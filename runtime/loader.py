@@ -13,7 +13,7 @@ from .ffn import DenseFFN
 from .linear import DenseLinear, QuantEmbedding, dequantize, load_linear
 from .model import BlockWeights, Transformer
 from .predictor import load_predictors
-from .sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN
+from .sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN, outlier_neurons
 from .sparse_ffn import pack_ffn
 
 
@@ -76,7 +76,10 @@ def load_sparse_ffn(f: GGUFFile, cfg: ModelConfig, i: int, masker) -> SparseFFN:
 def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
     """One masker per layer for the sparse modes (see runtime/sparse.py)."""
     if mode == "sparse":
-        return [PredictorMasker(p) for p in load_predictors(f, cfg.n_layer)]
+        peaks = [dequantize(f, C.tensor(C.ACT_PEAK, i)) if f.has(C.tensor(C.ACT_PEAK, i)) else None
+                 for i in range(cfg.n_layer)]
+        return [PredictorMasker(p, outlier_neurons(pk))
+                for p, pk in zip(load_predictors(f, cfg.n_layer), peaks, strict=True)]
     if cfg.is_relu:
         return [ReluOracleMasker() for _ in range(cfg.n_layer)]
     thresholds = f.get(C.CATS_THRESHOLD)

@@ -163,6 +163,7 @@ class Profile:
     seconds: float = 0.0
     samples: list[Samples] = field(default_factory=list)
     cats_sparsity: float | None = None
+    peak: np.ndarray | None = None  # float32 [n_layer, n_ff]: largest |activation| of each neuron
 
     @property
     def frequency(self) -> np.ndarray:
@@ -225,6 +226,7 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
             raise PinferError(f"a window of {len(w)} tokens exceeds the context {tr.max_ctx}; lower --ctx")
     n_tokens = sum(len(w) for w in windows)
     counts = torch.zeros(L, n_ff, dtype=torch.float64)
+    peak = torch.zeros(L, n_ff, dtype=torch.float32)
 
     k = min(sample_tokens, n_tokens)
     picked = np.sort(np.random.default_rng(seed).choice(n_tokens, size=k, replace=False)) if k else np.zeros(0, int)
@@ -261,14 +263,16 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
             if r.numel():
                 xs_out[li, bounds[w]:bounds[w + 1]] = x[r].float().numpy()
                 bits[li, bounds[w]:bounds[w + 1]] = np.packbits(m[r].numpy(), axis=1)
-            xs[w] = x + ffn.down(activate(gate, up, ffn.act))
+            h = activate(gate, up, ffn.act)
+            peak[li] = torch.maximum(peak[li], h.float().abs().amax(0))
+            xs[w] = x + ffn.down(h)
         del cached, mags
         if progress:
             progress(li + 1, L)
     samples = [Samples(xs_out[i], bits[i], n_ff, labels) for i in range(L)] if k else []
     date = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     return Profile(counts.numpy(), n_tokens, corpus, rule, date, time.perf_counter() - t0, samples,
-                   sparsity if rule.act == "silu" else None)
+                   sparsity if rule.act == "silu" else None, peak.numpy())
 
 
 def _calib_rows(windows, n_ff: int, seed: int) -> list[torch.Tensor]:
@@ -529,6 +533,8 @@ def profile_entries(prof: Profile, n_layer: int) -> tuple[dict, dict, list]:
     else:
         drop += [C.CATS_THRESHOLD, C.CATS_SPARSITY]
     tensors = {C.tensor(C.ACT_COUNTS, i): prof.counts[i].astype(np.float32) for i in range(n_layer)}
+    if prof.peak is not None:
+        tensors.update({C.tensor(C.ACT_PEAK, i): prof.peak[i].astype(np.float32) for i in range(n_layer)})
     return meta, tensors, drop
 
 

@@ -28,12 +28,28 @@ def gate_up_all(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w.gate_up.view(2 * w.n_ff, w.n_embd)).view(-1, w.n_ff, 2)
 
 
+# A neuron whose profiled peak |activation| exceeds this many times its layer's median peak is an outlier ("massive
+# activation", typically on the first token of SwiGLU models) and is computed for every token: a predictor that
+# misses one of them once can ruin a whole sequence (measured: SmolLM2, layer 11, |h| = 1803 against peaks ~10).
+OUTLIER_FACTOR = 20.0
+
+
+def outlier_neurons(peak: torch.Tensor | None) -> torch.Tensor | None:
+    if peak is None:
+        return None
+    idx = (peak > OUTLIER_FACTOR * peak.median()).nonzero().view(-1)
+    return idx if idx.numel() else None
+
+
 class PredictorMasker:
-    def __init__(self, pred: Predictor):
-        self.pred = pred
+    def __init__(self, pred: Predictor, always: torch.Tensor | None = None):
+        self.pred, self.always = pred, always
 
     def __call__(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        return self.pred.mask(resid)
+        mask = self.pred.mask(resid)
+        if self.always is not None:
+            mask[:, self.always] = True
+        return mask
 
 
 class ReluOracleMasker:

@@ -97,15 +97,18 @@ def test_counts_equal_brute_force(relu_model):
     windows = windows_of(m, 300, ctx=128)
     prof = P.profile(m, windows, P.activation_rule(m.cfg))
     brute = np.zeros_like(prof.counts)
+    peak = np.zeros_like(prof.counts)
     reference = np.zeros_like(prof.counts)
     for ids in windows:
         seen = forward_record(m, ids)
-        for i, (_, gate, _) in seen.items():
+        for i, (_, gate, up) in seen.items():
             brute[i] += (gate > 0).sum(0).numpy()
+            peak[i] = np.maximum(peak[i], (torch.relu(gate) * up).abs().amax(0).numpy())
         _, act = synth.reference_forward(open_gguf(relu_model), ids, collect_activity=True)
         reference += act.sum(1).numpy()
     assert prof.tokens == 300
     np.testing.assert_array_equal(prof.counts, brute)
+    np.testing.assert_allclose(prof.peak, peak, rtol=1e-5)  # the largest |activation| of each neuron
     # an independent implementation of the forward pass (formats.synth): only gates within rounding of 0 may differ
     assert np.abs(prof.counts - reference).sum() <= 1e-3 * reference.sum()
     assert 0.8 < prof.sparsity.mean() < 0.97  # the planted model is ~90% sparse

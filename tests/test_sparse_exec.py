@@ -108,3 +108,22 @@ def test_sparse_without_predictors_says_what_to_run(tmp_path):
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "pi-profile" in res.output and "--train-predictors" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_outlier_neurons_are_always_computed(tmp_path):
+    """A neuron whose profiled peak is an outlier is computed for every token, whatever the predictor says."""
+    cfg = tiny_config(ffn_act="relu")
+    w = random_weights(cfg, seed=6, scale=0.2)
+    r = 4
+    for i in range(cfg.n_layer):  # predictors that select nothing: fc2 = 0 < threshold
+        w[C.tensor(C.PRED_FC1, i)] = np.ones((r, cfg.n_embd), np.float16)
+        w[C.tensor(C.PRED_FC2, i)] = np.zeros((cfg.n_ff, r), np.float16)
+        peak = np.ones(cfg.n_ff, np.float32)
+        peak[[3, 77]] = 500.0  # two "massive activation" neurons
+        w[C.tensor(C.ACT_PEAK, i)] = peak
+    write_llama(tmp_path / "m.gguf", cfg, w, extra_metadata={C.SPARSE_THRESHOLD: 1.0})
+    m = load_model(tmp_path / "m.gguf", ffn_mode="sparse")
+    assert [b.ffn.masker.always.tolist() for b in m.transformer.blocks] == [[3, 77]] * cfg.n_layer
+    m.forward_logits([5, 6, 7])
+    st = m.transformer.blocks[0].ffn.stats
+    assert st.active == 2 * st.tokens  # exactly the two outliers, for every token
