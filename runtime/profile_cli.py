@@ -123,6 +123,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     meta: dict = {}
     tensors: dict = {}
     drop: list = []
+    drop_tensors: list = []
     layers: list[dict] = [{"layer": i} for i in range(cfg.n_layer)]
     ffn_bytes = P.ffn_bytes_per_layer(f, cfg)
 
@@ -142,6 +143,9 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
                          C.ACT_CORPUS: f"imported: PowerInfer {Path(o['import_activations']).name}/{note}",
                          C.ACT_RULE: "relu>0" if cfg.is_relu else "imported"})
             drop += [C.CATS_THRESHOLD, C.CATS_SPARSITY]
+            # peaks recorded by an earlier profile describe other statistics: an outlier list that no longer matches
+            # the counts would silently change which neurons sparse mode always computes
+            drop_tensors += [C.tensor(C.ACT_PEAK, i) for i in range(cfg.n_layer)]
             tensors.update({C.tensor(C.ACT_COUNTS, i): counts[i].astype(np.float32) for i in range(cfg.n_layer)})
             summary["tokens"] = tokens
             for i, row in enumerate(layers):
@@ -206,7 +210,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     dest = Path(o["out"]) if o["out"] else f.path
     t0 = time.perf_counter()
     rewrite_gguf(f, dest, set_metadata=meta, set_tensors=tensors, drop_keys=[k for k in drop if k not in meta],
-                 progress=not quiet)
+                 drop_tensors=drop_tensors, progress=not quiet)
     summary["seconds"]["write"] = round(time.perf_counter() - t0, 2)
     summary["out"] = str(dest)
     summary["layers"] = layers

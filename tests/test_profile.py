@@ -237,6 +237,23 @@ def test_import_activations_without_token_count(twelve_layers, tmp_path):
     assert f.get(C.ACT_TOKENS) == 18 and "token count unknown" in f.get(C.ACT_CORPUS)
 
 
+def test_import_activations_drops_stale_peaks(relu_model, tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(relu_model.read_bytes())
+    code, out = invoke(src, "--tokens", 300, "--ctx", 128)
+    assert code == 0, out
+    assert open_gguf(src).has(C.tensor(C.ACT_PEAK, 0))  # a profile records each neuron's peak
+    act = tmp_path / "activation"
+    act.mkdir()
+    for i in range(2):
+        torch.save(torch.arange(256, dtype=torch.float32), act / f"activation_{i}.pt")
+    code, out = invoke(src, "--import-activations", act, "--tokens", 1000)
+    assert code == 0, out
+    f = open_gguf(src)
+    assert not any(f.has(C.tensor(C.ACT_PEAK, i)) for i in range(2))  # they described the old statistics
+    assert np.array_equal(np.asarray(f.raw(C.tensor(C.ACT_COUNTS, 1))), np.arange(256, dtype=np.float32))
+
+
 def test_predictor_dir_import(twelve_layers, tmp_path):
     model, cfg = twelve_layers
     src = tmp_path / "m.gguf"
