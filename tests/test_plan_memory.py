@@ -1,6 +1,5 @@
 """Byte accounting against real tensor sizes: tiny GGUFs with real quantised weights, skeletons, and SmolLM2."""
 
-
 import gguf
 import numpy as np
 import pytest
