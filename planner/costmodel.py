@@ -124,6 +124,25 @@ class Evaluation:
         return 1.0 / self.time
 
 
+def ffn_times(problem, l: int, a: int, pr: int, g: int, ks: np.ndarray) -> np.ndarray:
+    """Exact FFN-plus-sync time of layer l for each GPU-neuron count in ks, with attention on device a, the predictor
+    on pr and the GPU neurons on GPU g: per layer, the rule `evaluate` applies (for the heuristics that search k)."""
+    c, lb = problem.costs, problem.model.layers[l]
+    N, pre = lb.n_ff, problem.prefix[l]
+    mass = pre[ks]
+    gpu = np.where(ks > 0, c.ffn_dispatch[g] + ks * c.dense[l, g] + mass * c.sparse[l, g], 0.0)
+    cpu = np.where(ks < N, c.ffn_dispatch[CPU] + (N - ks) * c.dense[l, CPU] + (pre[-1] - mass) * c.sparse[l, CPU],
+                   0.0)
+    dense = {int(a)} | ({int(pr)} if lb.has_predictor else set())
+    out = np.maximum(gpu, cpu)
+    for has_gpu, has_cpu, where in ((False, True, ks == 0), (True, True, (ks > 0) & (ks < N)),
+                                    (True, False, ks == N)):
+        used = dense | ({g} if has_gpu else set()) | ({CPU} if has_cpu else set())
+        if len(used) > 1:
+            out[where] += c.sync[l, max(used)]
+    return out
+
+
 def evaluate(problem, plan: Plan) -> Evaluation:
     """Exact predicted time and memory of `plan` (a planner.problem.Problem gives the model, costs and budgets)."""
     m, c = problem.model, problem.costs

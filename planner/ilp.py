@@ -50,7 +50,7 @@ import pulp
 from formats.errors import PinferError
 
 from .baselines import all_baselines
-from .costmodel import Evaluation, evaluate
+from .costmodel import Evaluation, evaluate, ffn_times
 from .plan import CPU, Plan
 from .problem import Problem
 from .warmstart import heuristic_plan
@@ -501,28 +501,10 @@ def _polish(p: Problem, v: Vars, objective: str) -> Plan:
         if objective == "hot-mass":
             k = k_hi
         else:
-            k = int(ks[np.argmin(_layer_times(p, l, int(plan.attn[l]), int(plan.pred[l]), g, ks))])
+            k = int(ks[np.argmin(ffn_times(p, l, plan.attn[l], plan.pred[l], g, ks))])
         plan.n_gpu[l] = k
         plan.ffn_gpu[l] = g if k else CPU
     return plan
-
-
-def _layer_times(p: Problem, l: int, a: int, pr: int, g: int, ks: np.ndarray) -> np.ndarray:
-    """Exact time of layer l's FFN plus sync for each GPU-neuron count in ks (dense parts fixed)."""
-    c, lb = p.costs, p.model.layers[l]
-    N, pre = lb.n_ff, p.prefix[l]
-    mass = pre[ks]
-    gpu = np.where(ks > 0, c.ffn_dispatch[g] + ks * c.dense[l, g] + mass * c.sparse[l, g], 0.0)
-    cpu = np.where(ks < N, c.ffn_dispatch[CPU] + (N - ks) * c.dense[l, CPU] + (pre[-1] - mass) * c.sparse[l, CPU],
-                   0.0)
-    dense = {a} | ({pr} if lb.has_predictor else set())
-    out = np.maximum(gpu, cpu)
-    for has_gpu, has_cpu, where in ((False, True, ks == 0), (True, True, (ks > 0) & (ks < N)),
-                                    (True, False, ks == N)):
-        used = dense | ({g} if has_gpu else set()) | ({CPU} if has_cpu else set())
-        if len(used) > 1:
-            out[where] += c.sync[l, max(used)]
-    return out
 
 
 def _repair(p: Problem, plan: Plan) -> Plan:
@@ -537,7 +519,7 @@ def _repair(p: Problem, plan: Plan) -> Plan:
             best, best_cost = None, math.inf
             for l in np.nonzero((plan.ffn_gpu == g) & (plan.n_gpu > 0))[0]:
                 k = int(plan.n_gpu[l])
-                t = _layer_times(p, l, plan.attn[l], plan.pred[l], g, np.array([k - 1, k]))
+                t = ffn_times(p, l, plan.attn[l], plan.pred[l], g, np.array([k - 1, k]))
                 if t[0] - t[1] < best_cost:
                     best, best_cost = l, t[0] - t[1]
             if best is None:

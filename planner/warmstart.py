@@ -16,6 +16,7 @@ import heapq
 
 import numpy as np
 
+from .costmodel import ffn_times
 from .plan import CPU, Plan
 from .problem import Problem
 
@@ -37,22 +38,6 @@ def _hull(t: np.ndarray, x: np.ndarray) -> np.ndarray:
     return idx
 
 
-def _ffn_curve(p: Problem, l: int, a: int, pr: int, g: int, ks: np.ndarray) -> np.ndarray:
-    """Exact FFN-plus-sync time of layer l for GPU-neuron counts ks (dense parts on a, pr; neurons on g)."""
-    c, lb = p.costs, p.model.layers[l]
-    N, pre = lb.n_ff, p.prefix[l]
-    mass = pre[ks]
-    gpu = np.where(ks > 0, c.ffn_dispatch[g] + ks * c.dense[l, g] + mass * c.sparse[l, g], 0.0)
-    cpu = np.where(ks < N, c.ffn_dispatch[CPU] + (N - ks) * c.dense[l, CPU] + (pre[-1] - mass) * c.sparse[l, CPU],
-                   0.0)
-    t = np.maximum(gpu, cpu)
-    dense_on_gpu = a == g or (lb.has_predictor and pr == g)
-    dense_on_cpu = a == CPU or (lb.has_predictor and pr == CPU)
-    uses_gpu = dense_on_gpu | (ks > 0)
-    uses_cpu = dense_on_cpu | (ks < N)
-    return t + np.where(uses_gpu & uses_cpu, c.sync[l, g], 0.0)
-
-
 def heuristic_plan(p: Problem) -> Plan | None:
     """A good feasible single-GPU plan in well under a second, or None (several GPUs, or nothing fits)."""
     if p.n_gpus != 1:
@@ -66,7 +51,7 @@ def heuristic_plan(p: Problem) -> Plan | None:
         opts = []
         for a in (CPU, g):
             for pr in preds:
-                t = _ffn_curve(p, l, a, pr, g, ks) + c.attn[l, a] + c.pred[l, pr]
+                t = ffn_times(p, l, a, pr, g, ks) + c.attn[l, a] + c.pred[l, pr]
                 h = _hull(t, ks)
                 dense = (lb.attn + lb.kv) * (a == g) + lb.pred * (pr == g and lb.has_predictor)
                 opts.append((a, pr, ks[h], t[h], dense, lb.neuron))
@@ -148,7 +133,7 @@ def heuristic_plan(p: Problem) -> Plan | None:
             push(l)
         else:  # part of a segment: the exact curve decides whether it still helps
             k = int(ks[i] + left // nb)
-            if _ffn_curve(p, l, a, pr, g, np.array([k]))[0] + c.attn[l, a] + c.pred[l, pr] < ts[i]:
+            if ffn_times(p, l, a, pr, g, np.array([k]))[0] + c.attn[l, a] + c.pred[l, pr] < ts[i]:
                 counts[l] = k
             break
 
