@@ -15,7 +15,6 @@ as one part; token_embd itself is read one row per token and stays in host memor
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from formats import constants as C
 from formats.errors import PinferError
-from formats.reader import GGUFFile, tensor_nbytes, type_name
+from formats.reader import GGUFFile, TensorInfo, tensor_nbytes, type_name
 
 MIB = 1 << 20
 GPU_WORKSPACE_FIXED = 256 * MIB  # cuBLAS workspace and compute-graph buffers of a CUDA engine
@@ -37,28 +36,13 @@ _FFN_COLS = (C.FFN_DOWN,)  # neuron i is column i
 _PREDICTOR = (C.PRED_FC1, C.PRED_FC2)
 _NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS)  # plans and statistics: not part of what is placed
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+NO_DATA = -1  # the offset of a tensor a skeleton only declares: it has no data in the file
 
 
-@dataclass(frozen=True)
-class TensorShape:
-    name: str
-    ne: tuple[int, ...]  # ggml order, fastest-varying first
-    ggml_type: int
-    nbytes: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.ne))
-
-    @property
-    def n_elements(self) -> int:
-        return math.prod(self.ne)
-
-
-def tensor_table(f: GGUFFile) -> dict[str, TensorShape]:
+def tensor_table(f: GGUFFile) -> dict[str, TensorInfo]:
     """Every tensor of the model with its shape, type and bytes: from the tensor infos, and for a skeleton also from
     the declarations in its metadata (see formats/constants.py SKELETON_*)."""
-    table = {name: TensorShape(name, t.ne, t.ggml_type, t.nbytes) for name, t in f.tensors.items()}
+    table = dict(f.tensors)
     if f.get(C.SKELETON):
         names = f.get(C.SKELETON_TENSOR_NAMES)
         types, n_dims, ne = (f.get(C.SKELETON_TENSOR_TYPES), f.get(C.SKELETON_TENSOR_N_DIMS),
@@ -72,11 +56,11 @@ def tensor_table(f: GGUFFile) -> dict[str, TensorShape]:
             nbytes = tensor_nbytes(dims, int(types[i]))
             if nbytes is None:
                 raise PinferError(f"{f.path}: skeleton tensor '{name}' has unknown type {int(types[i])}")
-            table.setdefault(name, TensorShape(name, dims, int(types[i]), nbytes))
+            table.setdefault(name, TensorInfo(name, dims, int(types[i]), NO_DATA, nbytes))
     return table
 
 
-def model_tensors(table: dict[str, TensorShape]) -> list[TensorShape]:
+def model_tensors(table: dict[str, TensorInfo]) -> list[TensorInfo]:
     """The tensors that make the model (plans and statistics left out): what a fingerprint covers."""
     skip = re.compile("|".join(re.escape(t).replace(r"\{bid\}", r"\d+") + "$" for t in _NOT_MODEL))
     return [t for t in table.values() if not skip.match(t.name)]
@@ -133,7 +117,7 @@ class ModelBytes:
     gpu_workspace: int  # compute buffers on each GPU
     host_reserve: int
     skeleton: bool
-    table: dict[str, TensorShape] = field(repr=False, default_factory=dict)
+    table: dict[str, TensorInfo] = field(repr=False, default_factory=dict)
 
     @property
     def n_ff(self) -> list[int]:
@@ -174,8 +158,8 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
         emb = table.get(C.TOKEN_EMBD)
         vocab = emb.shape[0] if emb else 0
 
-    per_layer: dict[int, list[TensorShape]] = {}
-    globals_: list[TensorShape] = []
+    per_layer: dict[int, list[TensorInfo]] = {}
+    globals_: list[TensorInfo] = []
     for t in model_tensors(table):
         m = _BLOCK.match(t.name)
         if m:
