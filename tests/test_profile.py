@@ -184,6 +184,15 @@ def test_interrupted_rewrite_leaves_original(relu_model, tmp_path, monkeypatch):
 
 # --- PowerInfer directories -------------------------------------------------------------------------------------------
 
+def activation_dir(tmp_path, per_layer):
+    """A PowerInfer activation/ directory: activation_N.pt holds layer N's per-neuron counts."""
+    act = tmp_path / "activation"
+    act.mkdir()
+    for i, counts in enumerate(per_layer):
+        torch.save(counts, act / f"activation_{i}.pt")
+    return act
+
+
 @pytest.fixture(scope="module")
 def twelve_layers(tmp_path_factory):
     p = tmp_path_factory.mktemp("deep") / "deep.gguf"
@@ -200,10 +209,7 @@ def test_activation_dir_import_export_numeric_order(twelve_layers, tmp_path):
     src.write_bytes(model.read_bytes())
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 1000, size=(cfg.n_layer, cfg.n_ff)).astype(np.int64)
-    act = tmp_path / "activation"
-    act.mkdir()
-    for i in range(cfg.n_layer):
-        torch.save(torch.from_numpy(counts[i]), act / f"activation_{i}.pt")
+    act = activation_dir(tmp_path, [torch.from_numpy(c) for c in counts])
     # text order would read activation_10 as layer 2 (PowerInfer bug #247): make sure the order matters here
     assert sorted(p.name for p in act.iterdir())[2] == "activation_10.pt"
     code, out = invoke(src, "--import-activations", act, "--tokens", 1000, "--json")
@@ -227,10 +233,7 @@ def test_import_activations_without_token_count(twelve_layers, tmp_path):
     model, cfg = twelve_layers
     src = tmp_path / "m.gguf"
     src.write_bytes(model.read_bytes())
-    act = tmp_path / "activation"
-    act.mkdir()
-    for i in range(cfg.n_layer):
-        torch.save(torch.full((cfg.n_ff,), 7.0 + i), act / f"activation_{i}.pt")
+    act = activation_dir(tmp_path, [torch.full((cfg.n_ff,), 7.0 + i) for i in range(cfg.n_layer)])
     code, out = invoke(src, "--import-activations", act, "--json")
     assert code == 0, out
     f = open_gguf(src)
@@ -243,10 +246,7 @@ def test_import_activations_drops_stale_peaks(relu_model, tmp_path):
     code, out = invoke(src, "--tokens", 300, "--ctx", 128)
     assert code == 0, out
     assert open_gguf(src).has(C.tensor(C.ACT_PEAK, 0))  # a profile records each neuron's peak
-    act = tmp_path / "activation"
-    act.mkdir()
-    for i in range(2):
-        torch.save(torch.arange(256, dtype=torch.float32), act / f"activation_{i}.pt")
+    act = activation_dir(tmp_path, [torch.arange(256, dtype=torch.float32)] * 2)
     code, out = invoke(src, "--import-activations", act, "--tokens", 1000)
     assert code == 0, out
     f = open_gguf(src)
@@ -382,11 +382,8 @@ def test_too_few_tokens_for_predictors(relu_model):
 
 @pytest.mark.parametrize("case", ["layers", "neurons"])
 def test_import_wrong_activation_dir(relu_model, tmp_path, case):
-    act = tmp_path / "activation"
-    act.mkdir()
     n_files, n_ff = (3, 256) if case == "layers" else (2, 100)
-    for i in range(n_files):
-        torch.save(torch.ones(n_ff), act / f"activation_{i}.pt")
+    act = activation_dir(tmp_path, [torch.ones(n_ff)] * n_files)
     before = digest(relu_model)
     needle = "expected activation_N.pt files 0..1" if case == "layers" else "256 neurons per layer"
     assert_one_line_error(*invoke(relu_model, "--import-activations", act, "--tokens", 10), needle)
