@@ -6,6 +6,9 @@
     python benchmarks/sparse_ffn.py --prefill            # break-even union density per token count
     python benchmarks/sparse_ffn.py --json
 
+Cases: "sparse" = runtime.sparse_ffn.ffn_sparse as pi-run uses it (the C++ kernel when it builds), "torch" = the same
+call with torch's own kernels (use_kernels=False), "dense" = ffn_dense (MKL GEMVs).
+
 Method: several copies of the layer are allocated so that together they exceed the L3 cache (300 MiB) eight times,
 and each call uses the next copy round-robin and a fresh random sorted index set: between two uses of a copy at least
 one dense call streams a whole other layer through the cache, so weights come from DRAM as in a real forward pass.
@@ -26,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -38,7 +42,9 @@ L3_BYTES = 300 << 20
 QUIET_TOLERANCE = 0.03  # s of CPU other processes may use during one repetition before it is dropped
 
 
-def make_layers(d: int, n_ff: int, dtype: torch.dtype, min_bytes: int, act: str = "relu") -> list[S.FFNWeights]:
+def make_layers(d: int, n_ff: int, dtype: torch.dtype, min_bytes: int, act: str = "silu") -> list[S.FFNWeights]:
+    # SiLU by default: no selected neuron's activation is exactly zero, so the sparse kernel never skips a down row
+    # (with ReLU and random weights it would skip the neurons whose gate happens to be negative: an unfair win)
     es = torch.empty((), dtype=dtype).element_size()
     n = max(2, -(-min_bytes // (3 * d * n_ff * es)))
     g = torch.Generator().manual_seed(0)
@@ -109,7 +115,7 @@ def bench_decode(layers, fracs, reps, warmup, T=1, quiet_only=True, max_attempts
     w0 = layers[0]
     n_ff, d, es = w0.n_ff, w0.n_embd, w0.gate_up.element_size()
     x = torch.randn(T, d).to(w0.dtype)
-    names = ["dense"] + [f"sparse@{f:g}" for f in fracs]
+    names = ["dense"] + [f"{c}@{f:g}" for f in fracs for c in ("sparse", "torch")]
     times: dict[str, list[float]] = {n: [] for n in names}
     i = attempts = dropped = 0
     while len(times["dense"]) < reps and attempts < reps * max_attempts + warmup:
@@ -120,10 +126,11 @@ def bench_decode(layers, fracs, reps, warmup, T=1, quiet_only=True, max_attempts
             i += 1
             rep["dense"] = timed(S.ffn_dense, w, x)
             for f in fracs:
-                w = layers[i % len(layers)]
-                i += 1
-                idx = random_idx(n_ff, int(round(f * n_ff)))
-                rep[f"sparse@{f:g}"] = timed(S.ffn_sparse, w, x, idx)
+                for case, kernels in (("sparse", True), ("torch", False)):
+                    w = layers[i % len(layers)]
+                    i += 1
+                    idx = random_idx(n_ff, int(round(f * n_ff)))
+                    rep[f"{case}@{f:g}"] = timed(partial(S.ffn_sparse, use_kernels=kernels), w, x, idx)
         if attempts <= warmup:
             continue
         if quiet_only and others.seconds > QUIET_TOLERANCE:
@@ -136,12 +143,12 @@ def bench_decode(layers, fracs, reps, warmup, T=1, quiet_only=True, max_attempts
     dense = statistics.median(times["dense"])
     rows = [dict(case="dense", active=1.0, ms=dense * 1e3, p10_ms=_p10(times["dense"]) * 1e3, speedup=1.0,
                  paired_speedup=1.0, gbs=3 * n_ff * d * es / dense / 1e9)]
-    for f in fracs:
-        ts = times[f"sparse@{f:g}"]
+    for f, case in ((f, c) for f in fracs for c in ("sparse", "torch")):
+        ts = times[f"{case}@{f:g}"]
         m = statistics.median(ts)
         k = int(round(f * n_ff))
         paired = statistics.median(a / b for a, b in zip(times["dense"], ts, strict=True))
-        rows.append(dict(case="sparse", active=f, ms=m * 1e3, p10_ms=_p10(ts) * 1e3, speedup=dense / m,
+        rows.append(dict(case=case, active=f, ms=m * 1e3, p10_ms=_p10(ts) * 1e3, speedup=dense / m,
                          paired_speedup=paired, gbs=3 * k * d * es / m / 1e9, ideal_speedup=1 / f))
     return rows, dict(kept=len(times["dense"]), dropped_noisy=dropped)
 
@@ -235,30 +242,33 @@ def bench_prefill(layers, Ts, densities, reps, quiet_only=True, max_attempts=20)
 
 
 def bench_paths(layers, Ts, densities, reps, quiet_only=True, max_attempts=20) -> list[dict]:
-    """For few tokens: the per-token SDDMM/axpy path against gathering the rows once and running GEMMs; the ratio
-    (SDDMM time / gather time, >1: gathering wins) is what GATHER_MIN_T is set from."""
+    """For few tokens, the three sparse paths against gathering the rows once and running GEMMs: the C++ kernel
+    and torch's per-token SDDMM/axpy. Ratios are time / gather time (< 1: that path beats gathering); KERNEL_MAX_T
+    and GATHER_MIN_T are set from them."""
     w0, out, i = layers[0], [], 0
-    saved = S.GATHER_MIN_T
+    saved = S.GATHER_MIN_T, S.KERNEL_MAX_T
+    paths = {"kernel": (10 ** 9, 10 ** 9), "sddmm": (10 ** 9, 0), "gather": (1, 0)}  # (GATHER_MIN_T, KERNEL_MAX_T)
     try:
         for T in Ts:
             x = torch.randn(T, w0.n_embd).to(w0.dtype)
             for rho in densities:
-                r: list[float] = []
+                r: dict[str, list[float]] = {"kernel": [], "sddmm": []}
                 for _ in range(reps * max_attempts):
                     idx = random_idx(w0.n_ff, int(round(rho * w0.n_ff)))
+                    ts = {}
                     with OthersCPU() as others:
-                        S.GATHER_MIN_T = 10 ** 9
-                        t_sddmm = timed(S.ffn_sparse, layers[i % len(layers)], x, idx)
-                        S.GATHER_MIN_T = 1
-                        t_gather = timed(S.ffn_sparse, layers[(i + 1) % len(layers)], x, idx)
-                    i += 2
+                        for name, (S.GATHER_MIN_T, S.KERNEL_MAX_T) in paths.items():
+                            ts[name] = timed(S.ffn_sparse, layers[i % len(layers)], x, idx)
+                            i += 1
                     if not quiet_only or others.seconds <= QUIET_TOLERANCE:
-                        r.append(t_sddmm / t_gather)
-                    if len(r) == reps:
+                        for name in r:
+                            r[name].append(ts[name] / ts["gather"])
+                    if len(r["kernel"]) == reps:
                         break
-                out.append(dict(T=T, density=rho, sddmm_over_gather=round(statistics.median(r), 3) if r else None))
+                out.append(dict(T=T, density=rho, **{f"{n}_over_gather": round(statistics.median(v), 3) if v else None
+                                                     for n, v in r.items()}))
     finally:
-        S.GATHER_MIN_T = saved
+        S.GATHER_MIN_T, S.KERNEL_MAX_T = saved
     return out
 
 
@@ -275,7 +285,7 @@ def main() -> int:
     ap.add_argument("--layouts", action="store_true", help="also compare packed vs separate layouts (fp32)")
     ap.add_argument("--prefill", action="store_true", help="also measure the dense/sparse break-even per T (f32)")
     ap.add_argument("--skip-decode", action="store_true", help="only the --prefill / --layouts parts")
-    ap.add_argument("--prefill-t", default="1,2,3,4,8,16,32,64,128", help="token counts for --prefill")
+    ap.add_argument("--prefill-t", default="1,2,3,4,8,16,24,32,64,128", help="token counts for --prefill")
     ap.add_argument("--decode-t", type=int, default=1, help="tokens per call in the decode table")
     ap.add_argument("--noisy", action="store_true", help="keep repetitions during which other processes ran")
     ap.add_argument("--json", action="store_true")
@@ -295,7 +305,7 @@ def main() -> int:
             result["prefill"] = bench_prefill(layers, [int(t) for t in args.prefill_t.split(",")],
                                               [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
                                               max(5, args.reps // 4), not args.noisy)
-            result["paths"] = bench_paths(layers, [1, 2, 3, 4, 6, 8], [0.1, 0.3], max(5, args.reps // 4),
+            result["paths"] = bench_paths(layers, [1, 2, 4, 8, 16, 24, 32], [0.1, 0.3], max(5, args.reps // 4),
                                           not args.noisy)
         del layers
     if args.layouts:
@@ -311,6 +321,7 @@ def main() -> int:
     for name, r in result["decode"].items():
         print(f"\n{name}, T={args.decode_t}, {r['layer_copies']} layer copies, {r['kept']} repetitions kept, "
               f"{r['dropped_noisy']} dropped because other processes used the CPU")
+        print(f"{S.cpu_kernels.status()}")
         print(f"{'case':>8} {'active':>7} {'median ms':>10} {'p10 ms':>8} {'speed-up':>9} {'paired':>7} "
               f"{'ideal':>6} {'GB/s':>6}")
         for row in r["rows"]:
@@ -322,9 +333,10 @@ def main() -> int:
         for row in result["layouts"]:
             print(f"{row['case']:>16} {row['active']:>5.0%} {row['ms']:>8.2f} ms")
     if "paths" in result:
-        print("\nfew tokens: SDDMM/axpy time / gather+GEMM time (> 1: gathering wins)")
+        print("\nfew tokens: time of the C++ kernel and of SDDMM/axpy over gather+GEMM time (> 1: gathering wins)")
         for row in result["paths"]:
-            print(f"T={row['T']:>3} density {row['density']:.0%}: {row['sddmm_over_gather']}")
+            print(f"T={row['T']:>3} density {row['density']:.0%}: kernel {row['kernel_over_gather']}, "
+                  f"sddmm {row['sddmm_over_gather']}")
     if "prefill" in result:
         print("\nprefill: sparse speed-up over dense by union density; break-even density vs the rule in sparse_ffn")
         dens = list(result["prefill"][0]["speedups"])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from formats.config import ModelConfig
 
+from . import cpu_kernels
 from .linear import DenseLinear, Int4Linear, SplitInt4Linear
 
 Linear = DenseLinear | Int4Linear | SplitInt4Linear
@@ -67,6 +68,9 @@ class Transformer:
         self.cache = KVCache(cfg, max_ctx, dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.norm_shape = (cfg.n_embd,)
+        # fp32 models run RMSNorm and decode attention as one C++ call each (runtime/csrc), else through torch
+        self.fused = dtype == torch.float32 and cpu_kernels.available()
+        self.rope_cs = torch.view_as_real(self.freqs)  # (cos, sin) pairs [max_pos, head_dim/2, 2] for the C++ op
 
     @property
     def max_ctx(self) -> int:
@@ -78,20 +82,28 @@ class Transformer:
         The residual stream stays in self.dtype; a linear layer may answer in another dtype (int4 kernels answer
         in bf16) and the residual add promotes it back.
         """
-        eps, shape = self.cfg.norm_eps, self.norm_shape
         x = self.tok_embd(tokens).to(self.dtype)  # (T, d)
         for li, b in enumerate(self.blocks):
-            x = x + self.attention(li, b, F.rms_norm(x, shape, b.attn_norm, eps), pos)
-            x = x + b.ffn(F.rms_norm(x, shape, b.ffn_norm, eps), x)  # predictors read the pre-norm residual
+            x = x + self.attention(li, b, self.norm(x, b.attn_norm), pos)
+            x = x + b.ffn(self.norm(x, b.ffn_norm), x)  # predictors read the pre-norm residual
         if not all_logits:
             x = x[-1:]
-        return self.output(F.rms_norm(x, shape, self.output_norm, eps)).float()
+        return self.output(self.norm(x, self.output_norm)).float()
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dtype == w.dtype == torch.float32:
+            return torch.ops.pinfer.rms_norm(x.contiguous(), w, self.cfg.norm_eps)
+        return F.rms_norm(x, self.norm_shape, w, self.cfg.norm_eps)
 
     def attention(self, li: int, b: BlockWeights, x: torch.Tensor, pos: int) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         end = pos + T
         qkv = b.wqkv(x)  # (T, (H + 2 Hkv) D)
+        if T == 1 and self.fused and qkv.dtype == torch.float32:  # RoPE, cache write and attention in one call
+            out = torch.ops.pinfer.attend_decode(qkv, self.rope_cs[pos], self.cache.k[li], self.cache.v[li], pos, H,
+                                                 Hkv, self.scale)
+            return b.wo(out)
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), self.freqs[pos:end])  # q and k in one op
         self.cache.k[li, :, pos:end] = qk[:, H:].transpose(0, 1)
         self.cache.v[li, :, pos:end] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1)

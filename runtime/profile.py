@@ -216,7 +216,7 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
     t0 = time.perf_counter()
     _check_ffn(model)
     cfg, tr = model.cfg, model.transformer
-    L, n_ff, d, eps = cfg.n_layer, cfg.n_ff, cfg.n_embd, cfg.norm_eps
+    L, n_ff, d = cfg.n_layer, cfg.n_ff, cfg.n_embd
     if rule.act == "silu":
         if sparsity is None:
             raise PinferError("SwiGLU profiling needs --sparsity S")
@@ -242,8 +242,8 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
     for li, b in enumerate(tr.blocks):
         ffn = b.ffn
         for w, x in enumerate(xs):
-            xs[w] = x + tr.attention(li, b, F.rms_norm(x, tr.norm_shape, b.attn_norm, eps), 0)
-        gate_up = lambda x: ffn.gate_up(F.rms_norm(x, tr.norm_shape, b.ffn_norm, eps))  # noqa: E731, B023
+            xs[w] = x + tr.attention(li, b, tr.norm(x, b.attn_norm), 0)
+        gate_up = lambda x: ffn.gate_up(tr.norm(x, b.ffn_norm))  # noqa: E731, B023
         cached = mags = None
         if rule.act == "silu":
             if cache_ok:  # every token's gate/up and |silu(gate)| stay in memory for the second loop

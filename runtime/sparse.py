@@ -51,6 +51,10 @@ class PredictorMasker:
             mask[:, self.always] = True
         return mask
 
+    def indices(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        """One token: the active neurons' indices directly (no [n_ff] mask on the decode path)."""
+        return self.pred.indices(resid, self.always)
+
 
 class ReluOracleMasker:
     """Exact: neuron i is active iff its post-activation value is > 0."""
@@ -81,6 +85,10 @@ class SparsityStats:
         self.tokens += mask.shape[0]
         self.active += int(mask.sum())
 
+    def add_one(self, n_active: int) -> None:
+        self.tokens += 1
+        self.active += n_active
+
 
 @dataclass
 class SparseFFN:
@@ -90,6 +98,10 @@ class SparseFFN:
 
     def __call__(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
         x = x.to(self.w.dtype)
+        if x.shape[0] == 1 and hasattr(self.masker, "indices"):  # decode with predictors
+            idx = self.masker.indices(self.w, x, resid)
+            self.stats.add_one(idx.numel())
+            return ffn_sparse(self.w, x, idx)
         mask = self.masker(self.w, x, resid)  # (T, n_ff) bool
         self.stats.add(mask)
         if x.shape[0] == 1:

@@ -6,26 +6,30 @@ Layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ffn.py --layouts):
 - down_t [n_ff, d]: PowerInfer's ffn_down_t, row i = neuron i's output column; the same index list selects it.
 - Both live in anonymous memory advised for transparent huge pages: random neuron rows then cost no TLB misses.
 
-Decode (T = 1) reads only the selected rows, with no gathered copy:
+Few tokens (T <= KERNEL_MAX_T, fp32) run pinfer's C++ kernel, torch.ops.pinfer.ffn_sparse_rows
+(runtime/csrc/sparse_ffn.cpp, built on first use by runtime/cpu_kernels.py): one pass over the index list on torch's
+thread pool, each thread streaming a block of 4 neurons' gate/up rows side by side, then their down rows, reading
+every selected row once and in place. A block whose activations are all exactly zero skips its down rows.
+
+Without a compiler (or for half precision) torch's own kernels do the same work:
 - gate/up dot products with torch.sparse.sampled_addmm (SDDMM): a CSR pattern whose columns are the rows 2i, 2i+1 of
   gate_up viewed as [2*n_ff, d]; torch computes x . row for each stored column, in place, split across threads by
   CSR rows (the pattern is cut into one row per thread).
-- down projection as an axpy, sum_i h_i * down_t[i], with F.embedding_bag(mode="sum", per_sample_weights=h), whose
-  fbgemm kernel prefetches rows ahead.
-Few tokens (2 <= T < GATHER_MIN_T) use the same two kernels with one CSR row / one bag per token (the rows come from
-cache after the first token). More tokens gather the rows once into a reused workspace (index_select(out=)) and
-run GEMMs, which are compute-efficient.
+- down projection as an axpy, sum_i h_i * down_t[i], with F.embedding_bag(mode="sum", per_sample_weights=h).
+  Few tokens (2 <= T < GATHER_MIN_T) use one CSR row / one bag per token.
+More tokens gather the rows once into a reused workspace (index_select(out=)) and run GEMMs, which are
+compute-efficient.
 
 `ffn_masked` (per-row masks) and `ffn_auto` (one index set) decide dense vs union-of-masks sparse for T tokens by the
 measured rule `sparse_pays(T, n_active, n_ff)`. Everything here is exact: for any index set the result equals the
 dense FFN with the other neurons zeroed.
 
-Measured (benchmarks/sparse_ffn.py, Llama-7B layer, fp32, 2 threads, quiet repetitions): dense 21-26 ms (21-26 GB/s,
-MKL GEMV), sparse at 10% active 3.4-4.3 ms, i.e. 5.9-6.2x (10x would be the bytes bound); 1 thread: 6.5-6.8x. The
-gap to the bound is the random-row read rate: SDDMM streams one row at a time per thread with no software prefetch
-(12-16 GB/s), fbgemm's axpy 15 GB/s, against 21-26 GB/s for the dense GEMV. Tried and slower: index_select(out=)
-into a reused buffer + GEMV (9 GB/s), chunked embedding_bag gathers + GEMV (3.5-9 GB/s). fp32 beats bf16/f16 on this
-CPU in absolute time, dense and sparse: torch's half-precision GEMV is compute-bound on two cores.
+Measured (benchmarks/sparse_ffn.py, Llama-7B layer, fp32, 2 threads, random 10% of neurons): dense 24 ms (22.5 GB/s,
+MKL GEMV); the C++ kernel 2.5 ms (9.5x, 21 GB/s; 10x is the bytes bound), torch's kernels 3.9 ms (6.1x, 14 GB/s).
+torch's row-gather kernels read one row at a time per thread with no lookahead; the kernel keeps 8 row streams in
+flight per thread, as a dense GEMV does. Also tried with torch alone and slower: index_select(out=) + GEMV (9 GB/s),
+chunked embedding_bag gathers + GEMV (3.5-9 GB/s), torch.compile (gate/up 14 GB/s, down 0.6-3 GB/s). fp32 beats
+bf16/f16 on this CPU in absolute time, dense and sparse: torch's half-precision GEMV is compute-bound on two cores.
 """
 
 from __future__ import annotations
@@ -40,18 +44,30 @@ import torch.nn.functional as F
 
 from formats.errors import PinferError
 
+from . import cpu_kernels
+
 ACTIVATIONS = ("silu", "relu", "drelu")
+ACT_CODES = {"silu": 0, "relu": 1, "drelu": 2}  # the act argument of torch.ops.pinfer.ffn_sparse_rows
 
 # Tokens from which the sparse path gathers rows once and runs GEMMs instead of per-token SDDMM/axpy passes. Measured
 # (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads): SDDMM/gather time = 1.17 (T=2, 10% dense) / 0.76 (30%),
 # 1.51 / 1.14 at T=3, 1.44-1.79 / 1.01-1.41 for T=4..8.
 GATHER_MIN_T = 3
+# Tokens up to which the C++ kernel (runtime/csrc/sparse_ffn.cpp) runs, when it is built (fp32 only). Measured
+# (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads): kernel time / gather+GEMM time = 0.41 / 0.34 at T = 1
+# (10% / 30% of neurons), 0.51 / 0.46 at T = 8, 0.68 / 0.66 at 16, 0.82 / 0.86 at 24, 1.01 / 1.02 at 32, 1.44 at 64:
+# it reads each row once and re-reads it from cache per token, which is compute-bound past ~30 tokens.
+KERNEL_MAX_T = 24
 SDDMM_DTYPES = (torch.float32, torch.float64)  # dtypes torch.sparse.sampled_addmm supports on the CPU
-# Largest union density at which ffn_sparse still beats ffn_dense, by token count: the measured break-even (same
-# benchmark, quiet machine: 0.71, 0.54, 0.37, 0.46, 0.56, 0.47, 0.53, 0.64, 0.72 at T = 1, 2, 3, 4, 8, 16, 32, 64,
-# 128) less a 0.05 margin, since sparse that barely wins is not worth the risk. Linear in T between entries.
-SPARSE_MAX_DENSITY = ((1, 0.65), (2, 0.50), (3, 0.35), (4, 0.40), (8, 0.45), (16, 0.45), (32, 0.50), (64, 0.60),
-                      (128, 0.70))
+# Largest union density at which ffn_sparse still beats ffn_dense, by token count: the measured break-even
+# (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads) less a 0.05 margin, since sparse that barely wins is not
+# worth the risk. Linear in T between entries. With the C++ kernel the break-even was >= 0.9 (the grid's end) for
+# T <= 8 (MKL's GEMM is slow for a few rows), then 0.73, 0.66, 0.58, 0.64, 0.76 at T = 16, 24, 32, 64, 128.
+SPARSE_MAX_DENSITY = ((1, 0.85), (8, 0.85), (16, 0.68), (24, 0.61), (32, 0.53), (64, 0.59), (128, 0.71))
+# The same with torch's kernels only (no compiler): 0.71, 0.54, 0.37, 0.46, 0.56, 0.47, 0.53, 0.64, 0.72 at
+# T = 1, 2, 3, 4, 8, 16, 32, 64, 128.
+SPARSE_MAX_DENSITY_TORCH = ((1, 0.65), (2, 0.50), (3, 0.35), (4, 0.40), (8, 0.45), (16, 0.45), (32, 0.50),
+                            (64, 0.60), (128, 0.70))
 
 with warnings.catch_warnings():  # torch warns once per process that CSR is "beta"; spend that warning here
     warnings.simplefilter("ignore")
@@ -218,15 +234,20 @@ def _axpy_down(w: FFNWeights, h: torch.Tensor, idx: torch.Tensor, parts: int = 1
 
 
 def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None,
-               row_mask: torch.Tensor | None = None) -> torch.Tensor:
+               row_mask: torch.Tensor | None = None, use_kernels: bool = True) -> torch.Tensor:
     """The FFN for x [T, d] computed on neurons idx only (LongTensor, sorted or not, no duplicates): the dense FFN with
     every other neuron's activation set to zero. For ReLU variants and idx = every neuron that fires for any row
     (the union of the rows' masks), this equals ffn_dense exactly up to float rounding.
-    row_mask: optional bool [T, len(idx)]; row t then also zeroes the neurons idx[j] where row_mask[t, j] is False."""
+    row_mask: optional bool [T, len(idx)]; row t then also zeroes the neurons idx[j] where row_mask[t, j] is False.
+    use_kernels: False forces torch's own kernels (tests and benchmarks compare the two)."""
     T = x.shape[0]
     k = idx.numel()
     if k == 0:
         return x.new_zeros(T, w.n_embd)
+    if T <= KERNEL_MAX_T and w.dtype == torch.float32 and use_kernels and cpu_kernels.available():
+        rm = None if row_mask is None else row_mask.to(torch.bool).contiguous()
+        return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, idx.contiguous(), rm,
+                                                ACT_CODES[w.act])
     d = w.n_embd
     parts = threads or torch.get_num_threads()
     if T < GATHER_MIN_T and w.dtype in SDDMM_DTYPES:
@@ -247,7 +268,7 @@ def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: in
 
 def sparse_max_density(T: int) -> float:
     """Largest fraction of active neurons (union over the T rows) at which ffn_sparse beats ffn_dense."""
-    pts = SPARSE_MAX_DENSITY
+    pts = SPARSE_MAX_DENSITY if KERNEL_MAX_T > 0 and cpu_kernels.available() else SPARSE_MAX_DENSITY_TORCH
     if T <= pts[0][0]:
         return pts[0][1]
     for (t0, d0), (t1, d1) in zip(pts, pts[1:], strict=False):

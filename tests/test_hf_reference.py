@@ -6,7 +6,7 @@ import torch
 
 from formats import constants as C
 from formats.model_writer import write_llama
-from runtime import load_model
+from runtime import cpu_kernels, load_model
 from tests.tiny import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -82,3 +82,21 @@ def test_logits_match_transformers(tmp_path, case):
     assert ours.shape == ref.shape == (48, cfg.vocab_size)
     assert np.abs(ours - ref).max() < 1e-4, np.abs(ours - ref).max()
     assert np.abs(ref).max() > 0.5  # the comparison is not between two near-zero tensors
+
+
+@pytest.mark.parametrize("case", ["mha", "gqa", "mqa_rope_base", "rope_linear_scaling"])
+def test_decode_steps_match_transformers(tmp_path, case):
+    """Token-by-token decode (fp32 models run RMSNorm and attention as runtime/csrc ops for T = 1) against HF's
+    logits for the same prefix."""
+    cfg = tiny_config(**CASES[case])
+    hf = make_hf(cfg)
+    path = tmp_path / "m.gguf"
+    write_llama(path, cfg, hf_to_gguf(hf, cfg))
+    m = load_model(path, threads=2)
+    ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 24))
+    tr = m.transformer
+    assert tr.fused == cpu_kernels.available()
+    with torch.inference_mode():
+        ours = torch.cat([tr.forward(torch.tensor([t]), p) for p, t in enumerate(ids)]).numpy()
+        ref = hf(torch.tensor([ids])).logits[0].float().numpy()
+    assert np.abs(ours - ref).max() < 1e-4, np.abs(ours - ref).max()

@@ -1,10 +1,13 @@
 """Sparse FFN operators: exactness against an independent dense reference, every variant and path (no timing)."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from formats.errors import PinferError
+from runtime import cpu_kernels
 from runtime import sparse_ffn as S
 
 N_FF, D = 320, 96
@@ -24,6 +27,19 @@ def reference(gate, up, down_t, x, act, keep=None):
 def exact_mask(gate, up, x, act):
     g, u = x @ gate.T, x @ up.T
     return (g > 0) if act == "relu" else (g > 0) & (u > 0)
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """Every test runs twice: through the C++ kernel (pi-run's path for fp32 and few tokens) and through torch's own
+    kernels (the fallback without a compiler). The kernel must build here unless PINFER_CPU_KERNELS=0 says not to."""
+    if request.param == "torch":
+        monkeypatch.setattr(S, "KERNEL_MAX_T", 0)
+    elif os.environ.get("PINFER_CPU_KERNELS") == "0":
+        pytest.skip("PINFER_CPU_KERNELS=0")
+    else:
+        assert cpu_kernels.available(), cpu_kernels.status()
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +141,8 @@ def test_auto_result_does_not_depend_on_the_choice(mats, monkeypatch, T, frac):
     assert chose == (["sparse"] if frac < S.sparse_max_density(T) else [])
 
 
-def test_rule_interpolates_between_measured_points():
-    pts = dict(S.SPARSE_MAX_DENSITY)
+def test_rule_interpolates_between_measured_points(path):
+    pts = dict(S.SPARSE_MAX_DENSITY if path == "kernel" else S.SPARSE_MAX_DENSITY_TORCH)
     for t, dens in pts.items():
         assert S.sparse_max_density(t) == pytest.approx(dens)
     assert 0 < S.sparse_max_density(10 ** 6) <= 1
@@ -161,3 +177,35 @@ def test_masked_rows_use_their_own_masks(mats, T, act):
     out = S.ffn_masked(w, x, mask)
     for t in range(T):
         close(out[t:t + 1], reference(gate, up, down_t, x[t:t + 1], act, keep=mask[t].nonzero().view(-1)))
+
+
+@pytest.mark.parametrize("T", [1, 3, 24])
+@pytest.mark.parametrize("act", S.ACTIVATIONS)
+def test_widths_and_index_counts_without_vector_multiples(act, T, path):
+    """The kernel's vector loop takes 16 floats and 4 neurons at a time: widths and index counts that are not
+    multiples of either exercise its scalar tails."""
+    gen = torch.Generator().manual_seed(T)
+    n_ff, d = 77, 37
+    gate, up, down_t = (torch.randn(n_ff, d, generator=gen) for _ in range(3))
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act=act)
+    x = torch.randn(T, d, generator=gen)
+    for k in (1, 2, 3, 5, 13, 77):
+        idx = torch.randperm(n_ff, generator=gen)[:k]
+        close(S.ffn_sparse(w, x, idx), reference(gate, up, down_t, x, act, keep=idx))
+
+
+def test_kernel_threads_agree(mats, path):
+    gate, up, down_t = mats
+    w = S.pack_ffn(gate, up, down_t, down_transposed=True, act="silu")
+    x, idx = inputs(2), torch.arange(0, N_FF, 3)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = S.ffn_sparse(w, x, idx)
+        torch.set_num_threads(2)
+        two = S.ffn_sparse(w, x, idx)
+    finally:
+        torch.set_num_threads(saved)
+    close(one, reference(gate, up, down_t, x, "silu", keep=idx))
+    close(two, one.double())
+
