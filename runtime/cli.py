@@ -111,7 +111,7 @@ def run(
             raise PinferError("no prompt: pass -p TEXT or -f FILE")
         if n_predict < 0:
             raise PinferError(f"-n must be >= 0, got {n_predict}")
-        from runtime import load_model
+        from runtime import cpu_kernels, load_model
 
         m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
         ids = build_prompt(m, prompt, chat, system)
@@ -123,7 +123,8 @@ def run(
                 stream.push(tok)
             print(json.dumps({"model": str(m.file.path), "prompt": prompt, "text": stream.text,
                               "tokens": stream.ids, "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
-                              "ffn_active_fraction": active_fraction(m)}, ensure_ascii=False))
+                              "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status()},
+                             ensure_ascii=False))
             return
         if not chat:
             sys.stdout.write(prompt)

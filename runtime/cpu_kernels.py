@@ -2,12 +2,13 @@
 
 The CPU counterpart of CuPy's RawKernel: the source ships with the package and is compiled on the machine that runs
 it, so it can use that CPU's vector width (-march=native) and link torch's own libraries and OpenMP runtime (the
-kernels run on torch's thread pool, honouring torch.set_num_threads). The build takes ~10 s once; the library is
-cached under $PINFER_CACHE (default ~/.cache/pinfer) by a hash of everything that affects it, written to a temporary
-file and renamed, so concurrent processes and interrupted builds never load half a library.
+kernels run on torch's thread pool, honouring torch.set_num_threads). The build takes ~15 s once; the library is
+cached under $PINFER_CACHE_DIR/kernels (default ~/.cache/pinfer/kernels, beside pi-plan's cache) by a hash of
+everything that affects it, written to a temporary file and renamed, so concurrent processes and interrupted builds
+never load half a library.
 
-Without a C++ compiler (or with PINFER_CPU_KERNELS=0) `available()` is False and runtime.sparse_ffn uses torch's own
-kernels: same results, slower (see runtime/sparse_ffn.py).
+Without a C++ compiler (or with PINFER_CPU_KERNELS=0) `available()` is False and pinfer uses torch's own
+operators instead: same results, slower (measurements in runtime/sparse_ffn.py and runtime/csrc).
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).with_name("csrc") / "sparse_ffn.cpp",)
+SOURCES = (Path(__file__).with_name("csrc") / "cpu_kernels.cpp",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-w")
 
 _state: dict = {}  # "ok": bool, "why": str (when not ok), "path": Path (when ok)
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PINFER_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "pinfer")
+    root = os.environ.get("PINFER_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "pinfer")
     return Path(root).expanduser() / "kernels"
 
 
@@ -64,7 +65,13 @@ def build(verbose: bool = False) -> Path:
     out = cache_dir() / f"pinfer_cpu_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: build into the temp directory instead
+        out = Path(tempfile.gettempdir()) / f"pinfer-{os.getuid()}" / out.name
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
     os.close(fd)
     try:

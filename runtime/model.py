@@ -100,9 +100,9 @@ class Transformer:
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         end = pos + T
         qkv = b.wqkv(x)  # (T, (H + 2 Hkv) D)
-        if T == 1 and self.fused and qkv.dtype == torch.float32:  # RoPE, cache write and attention in one call
-            out = torch.ops.pinfer.attend_decode(qkv, self.rope_cs[pos], self.cache.k[li], self.cache.v[li], pos, H,
-                                                 Hkv, self.scale)
+        if T == 1 and self.fused:  # RoPE, cache write and attention in one call (int4 layers answer in bf16)
+            out = torch.ops.pinfer.attend_decode(qkv.float(), self.rope_cs[pos], self.cache.k[li], self.cache.v[li],
+                                                 pos, H, Hkv, self.scale)
             return b.wo(out)
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), self.freqs[pos:end])  # q and k in one op
         self.cache.k[li, :, pos:end] = qk[:, H:].transpose(0, 1)

@@ -7,9 +7,11 @@ Layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ffn.py --layouts):
 - Both live in anonymous memory advised for transparent huge pages: random neuron rows then cost no TLB misses.
 
 Few tokens (T <= KERNEL_MAX_T, fp32) run pinfer's C++ kernel, torch.ops.pinfer.ffn_sparse_rows
-(runtime/csrc/sparse_ffn.cpp, built on first use by runtime/cpu_kernels.py): one pass over the index list on torch's
-thread pool, each thread streaming a block of 4 neurons' gate/up rows side by side, then their down rows, reading
-every selected row once and in place. A block whose activations are all exactly zero skips its down rows.
+(runtime/csrc/cpu_kernels.cpp, built on first use by runtime/cpu_kernels.py): one pass over the index list on torch's
+thread pool, each thread streaming the gate rows of 8 neurons side by side, then the up rows and down rows of those
+whose activation can be nonzero, reading every row once and in place. For ReLU and dReLU a neuron whose gate is <= 0
+has activation exactly 0, so its up and down rows are never read: a predictor's false positives cost a third of a
+neuron.
 
 Without a compiler (or for half precision) torch's own kernels do the same work:
 - gate/up dot products with torch.sparse.sampled_addmm (SDDMM): a CSR pattern whose columns are the rows 2i, 2i+1 of
@@ -53,7 +55,7 @@ ACT_CODES = {"silu": 0, "relu": 1, "drelu": 2}  # the act argument of torch.ops.
 # (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads): SDDMM/gather time = 1.17 (T=2, 10% dense) / 0.76 (30%),
 # 1.51 / 1.14 at T=3, 1.44-1.79 / 1.01-1.41 for T=4..8.
 GATHER_MIN_T = 3
-# Tokens up to which the C++ kernel (runtime/csrc/sparse_ffn.cpp) runs, when it is built (fp32 only). Measured
+# Tokens up to which the C++ kernel (runtime/csrc/cpu_kernels.cpp) runs, when it is built (fp32 only). Measured
 # (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads): kernel time / gather+GEMM time = 0.41 / 0.34 at T = 1
 # (10% / 30% of neurons), 0.51 / 0.46 at T = 8, 0.68 / 0.66 at 16, 0.82 / 0.86 at 24, 1.01 / 1.02 at 32, 1.44 at 64:
 # it reads each row once and re-reads it from cache per token, which is compute-bound past ~30 tokens.

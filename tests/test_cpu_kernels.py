@@ -32,7 +32,7 @@ def test_disabled_falls_back_to_torch(tmp_path):
 
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-pinfer")
-    monkeypatch.setenv("PINFER_CACHE", str(tmp_path))
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu_kernels.build()
 
