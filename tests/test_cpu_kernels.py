@@ -72,3 +72,36 @@ def test_fused_predictor_equals_torch(r, d, n_ff):
         assert got[always].all()
         idx_fused = fused.indices(x, always)
         assert torch.all(idx_fused[1:] > idx_fused[:-1])
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("pos", [0, 16, 299])
+def test_attend_decode_equals_float64_reference(H, Hkv, pos):
+    """One token's RoPE + cache write + attention against a float64 softmax over the same cache; scores spread over a
+    wide range so that the vectorised exp sees large negative arguments (and the clamp at -87)."""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    gen = torch.Generator().manual_seed(pos * 7 + H)
+    D, ctx = 32, 320
+    k_cache, v_cache = torch.randn(Hkv, ctx, D, generator=gen) * 3, torch.randn(Hkv, ctx, D, generator=gen)
+    qkv = torch.randn(1, (H + 2 * Hkv) * D, generator=gen) * 3
+    ang = torch.rand(D // 2, generator=gen) * 6
+    rope = torch.stack([ang.cos(), ang.sin()], -1).contiguous()
+    k_ref, v_ref = k_cache.clone().double(), v_cache.clone().double()
+    out = torch.ops.pinfer.attend_decode(qkv, rope, k_cache, v_cache, pos, H, Hkv, 0.5)
+
+    def rot(v):  # adjacent pairs (2i, 2i+1) rotated by (cos, sin)
+        a, b = v.double().view(-1, D // 2, 2).unbind(-1)
+        c, s = rope.double().unbind(-1)
+        return torch.stack([a * c - b * s, a * s + b * c], -1).view(-1, D)
+
+    q = rot(qkv[0, :H * D])
+    k_ref[:, pos] = rot(qkv[0, H * D:(H + Hkv) * D])
+    v_ref[:, pos] = qkv[0, (H + Hkv) * D:].double().view(Hkv, D)
+    torch.testing.assert_close(k_cache[:, pos].double(), k_ref[:, pos], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache[:, pos].double(), v_ref[:, pos])
+    want = []
+    for h in range(H):
+        g = h // (H // Hkv)
+        p = torch.softmax(k_ref[g, :pos + 1] @ q[h] * 0.5, -1)
+        want.append(p @ v_ref[g, :pos + 1])
+    torch.testing.assert_close(out.double().view(H, D), torch.stack(want), rtol=1e-4, atol=1e-5)

@@ -1,20 +1,19 @@
-// pinfer's CPU kernel: the FFN of a few tokens on an index set of neurons, reading each selected neuron's weights
-// once, in place (no gathered copy), on torch's own thread pool (at::parallel_for, the same OpenMP runtime).
+// pinfer's CPU kernels, loaded as torch.ops.pinfer.* and run on torch's own thread pool (at::parallel_for, the same
+// OpenMP runtime), built by runtime/cpu_kernels.py with the host compiler (-O3 -march=native -fopenmp):
+//   ffn_sparse_rows  the FFN of a few tokens on an index set of neurons, each selected row read once, in place
+//   predict_active   PowerInfer's predictor for one token, straight to the active neurons' indices
+//   rms_norm, attend_decode   the small ops of a decode step, one call each instead of a dozen torch dispatches
 //
-// Layout (runtime/sparse_ffn.py, pack_ffn): gate_up [n_ff, 2, d] (neuron i's gate row, then its up row) and
+// FFN layout (runtime/sparse_ffn.py, pack_ffn): gate_up [n_ff, 2, d] (neuron i's gate row, then its up row) and
 // down_t [n_ff, d] (row i = neuron i's output column). One index list addresses all three matrices.
 //
-// Why a kernel of our own: torch's row-gather kernels (sampled_addmm, embedding_bag) read one row at a time per
-// thread and reach 12-16 GB/s on this access pattern against 21-26 GB/s for a dense GEMV (measured in
-// benchmarks/sparse_ffn.py). A DRAM stream needs several rows in flight per core: here each thread walks a block of
-// NB neurons at once, so 2*NB gate/up rows (then NB down rows) stream side by side, which the hardware prefetchers
-// follow like a dense GEMV's rows.
+// Why kernels of our own: torch's row-gather kernels (sampled_addmm, embedding_bag) read one row at a time per
+// thread and reach 12-16 GB/s on this access pattern against 21-26 GB/s for a dense GEMV (benchmarks/sparse_ffn.py).
+// A DRAM stream needs several rows in flight per core: here each thread walks NB neurons at once, so NB rows stream
+// side by side, which the hardware prefetchers follow like a dense GEMV's rows (measured: 23-25 GB/s).
 //
 // Exactness: for every neuron of idx the result equals the dense FFN with all other neurons zeroed, up to float
-// summation order. A block whose activations are all exactly zero (ReLU, or a row_mask) skips its down rows:
-// adding 0 * row changes nothing.
-//
-// Built by runtime/cpu_kernels.py with the host compiler (-O3 -march=native -fopenmp) and loaded as torch.ops.pinfer.
+// summation order. Skipping a row whose activation is exactly zero (ReLU gate <= 0, or masked) changes nothing.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,10 +33,34 @@ typedef float v16 __attribute__((vector_size(64)));  // GCC vector type: AVX-512
 
 inline v16 load(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-inline float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int vi16 __attribute__((vector_size(64)));
+inline float hsum(v16 v) {  // a shuffle tree: 16 scalar adds cost as much as a short dot product
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// e^x for 16 values x <= 0 (softmax after subtracting the max): x = n ln2 + r, |r| <= ln2/2 + eps, e^r by its
+// degree-6 Taylor polynomial (relative error < 2e-7), 2^n by building the float's exponent bits.
+inline v16 exp_nonpos(v16 x) {
+  x = x < -87.f ? v16{} - 87.f : x;  // e^-87 ~ 1.6e-38, the smallest normal float's neighbourhood
+  const vi16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi16);  // truncation toward 0 of a value <= 0
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;  // ln2 in two parts
+  v16 p = 1.f / 720 + r * 0.f;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi16 bits = (n + 127) << 23;
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 // Rows streamed side by side per thread: 8 (gate rows of 8 neurons, then up rows of 8, then down rows of 8).
@@ -350,8 +373,15 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& rope, at::Tens
         p[t] = s * (float)scale;
         mx = std::max(mx, p[t]);
       }
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += (p[t] = std::exp(p[t] - mx));
+      v16 vsum = v16{};
+      int64_t t = 0;
+      for (; t + 16 <= n; t += 16) {
+        const v16 e = exp_nonpos(load(p.data() + t) - mx);
+        store(p.data() + t, e);
+        vsum += e;
+      }
+      float sum = hsum(vsum);
+      for (; t < n; ++t) sum += (p[t] = std::exp(p[t] - mx));
       float* oh = op + h * D;
       std::fill(oh, oh + D, 0.f);
       for (int64_t t = 0; t < n; ++t) {
