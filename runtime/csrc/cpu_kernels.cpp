@@ -50,7 +50,7 @@ inline v16 exp_nonpos(v16 x) {
   const vi16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi16);  // truncation toward 0 of a value <= 0
   const v16 nf = __builtin_convertvector(n, v16);
   const v16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;  // ln2 in two parts
-  v16 p = 1.f / 720 + r * 0.f;
+  v16 p = v16{} + 1.f / 720;
   p = p * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
@@ -124,13 +124,19 @@ inline void dispatch(int n, A... args) {  // F<n>::run(args...) for a runtime n 
     default: break;
   }
 }
-template <int N> struct Dots { static void run(const float* x, const float* const* r, int64_t d, float* o) { dots<N>(x, r, d, o); } };
-template <int N> struct Axpys { static void run(float* y, const float* h, const float* const* r, int64_t d) { axpys<N>(y, h, r, d); } };
+template <int N>
+struct Dots {
+  static void run(const float* x, const float* const* r, int64_t d, float* o) { dots<N>(x, r, d, o); }
+};
+template <int N>
+struct Axpys {
+  static void run(float* y, const float* h, const float* const* r, int64_t d) { axpys<N>(y, h, r, d); }
+};
 
 // One thread's walk over its share of the index list. Two stages per group of NB neurons:
 // 1. gate rows: g = x . gate_i for every token. With ReLU and dReLU a neuron whose gate is <= 0 for every token (or
 //    that every token masks out) has activation exactly 0: its up and down rows are never read. Predicted index sets
-//    hold false positives (a predictor tuned for 99% recall predicts about twice the true active set), and for them
+//    hold false positives (recall-0.99 predictors on the planted 1.1B model predict 1.7x the true active set): for them
 //    this reads a third of the bytes.
 // 2. the neurons that remain, NB at a time: up rows, activation, then an axpy over the down rows of the neurons whose
 //    activation is not zero.
