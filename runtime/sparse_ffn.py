@@ -26,8 +26,8 @@ compute-efficient.
 measured rule `sparse_pays(T, n_active, n_ff)`. Everything here is exact: for any index set the result equals the
 dense FFN with the other neurons zeroed.
 
-Measured (benchmarks/sparse_ffn.py, Llama-7B layer, fp32, 2 threads, random 10% of neurons): dense 24 ms (22.5 GB/s,
-MKL GEMV); the C++ kernel 2.5 ms (9.5x, 21 GB/s; 10x is the bytes bound), torch's kernels 3.9 ms (6.1x, 14 GB/s).
+Measured (benchmarks/sparse_ffn.py, Llama-7B layer, fp32, 2 threads, random 10% of neurons): dense 25.8 ms (21 GB/s,
+MKL GEMV); the C++ kernel 2.8 ms (9.2x, 19 GB/s; 10x is the bytes bound), torch's kernels 4.2 ms (6.2x, 13 GB/s).
 torch's row-gather kernels read one row at a time per thread with no lookahead; the kernel keeps 8 row streams in
 flight per thread, as a dense GEMV does. Also tried with torch alone and slower: index_select(out=) + GEMV (9 GB/s),
 chunked embedding_bag gathers + GEMV (3.5-9 GB/s), torch.compile (gate/up 14 GB/s, down 0.6-3 GB/s). fp32 beats
