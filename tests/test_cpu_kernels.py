@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("PINFER_CPU_KERNELS") == "0", rea
 
 def test_build_is_cached_and_complete():
     path = cpu_kernels.build()
-    assert path.exists() and path.parent == cpu_kernels.cache_dir()
+    assert path.exists() and path.name.startswith("pinfer_cpu_")
     assert cpu_kernels.build() == path  # cached: same key, no rebuild
     assert not list(path.parent.glob("*.tmp"))  # no temporary left behind
 
