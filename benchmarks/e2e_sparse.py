@@ -18,7 +18,9 @@
    step per position, so that bursts of other work on this shared machine hit both modes of a pair (earlier, whole
    runs alternated in subprocesses, and 7-round medians of the same setup ranged 2.41-2.71x). Reported: each mode's
    median step time as tok/s, and the median over pairs of dense / sparse step time.
-4. Quality: logits over the held-out text, teacher-forced, in both modes; top-1 agreement over positions.
+4. Quality: logits over the held-out text, teacher-forced, in each mode; top-1 agreement with dense over positions.
+Also measured: --oracle-masks (exact masks; for ReLU the C++ kernel reads every gate row and the up and down rows of
+the active neurons only), which must agree with dense everywhere.
 """
 
 from __future__ import annotations
@@ -59,43 +61,48 @@ def ensure_model(path: Path, args) -> None:
         subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def lockstep(dense, sparse, ids: list[int], rounds: int) -> dict:
-    """Decode the same tokens through both models in lockstep: for every position, one dense step and one sparse
-    step back to back (which goes first alternates), so that a burst of other work on this shared machine lands on
-    both modes of a pair. The speed-up is the median over pairs of dense time / sparse time."""
+def lockstep(models: dict, ids: list[int], rounds: int) -> dict:
+    """Decode the same tokens through every model in lockstep: for every position, one step of each mode back to back
+    (the order rotates), so that a burst of other work on this shared machine hits all modes of a position. A mode's
+    speed-up is the median over positions of dense step time / its step time."""
     import torch
 
-    models = {"dense": dense.transformer, "sparse": sparse.transformer}
+    trs = {k: m.transformer for k, m in models.items()}
     with torch.inference_mode():
-        for tr in models.values():
+        for tr in trs.values():
             tr.forward(torch.tensor(ids[:PROMPT_TOKENS]), 0)
             tr.forward(torch.tensor([ids[PROMPT_TOKENS]]), PROMPT_TOKENS)  # warm-up step
-        for b in models["sparse"].blocks:  # count the active neurons of the timed steps only
-            b.ffn.stats.tokens = b.ffn.stats.active = 0
-        times = {"dense": [], "sparse": []}
-        round_ratios = []
+            for b in tr.blocks:  # count the active neurons of the timed steps only
+                if hasattr(b.ffn, "stats"):
+                    b.ffn.stats.tokens = b.ffn.stats.active = 0
+        names = list(trs)
+        times: dict[str, list[float]] = {k: [] for k in names}
+        sums: dict[str, list[float]] = {k: [] for k in names}
         for r in range(rounds):
-            sums = {"dense": 0.0, "sparse": 0.0}
+            for k in names:
+                sums[k].append(0.0)
             for p in range(PROMPT_TOKENS + 1, len(ids)):  # a round re-decodes the same positions (cache overwritten)
-                order = ("dense", "sparse") if (p + r) % 2 == 0 else ("sparse", "dense")
-                for mode in order:
+                shift = (p + r) % len(names)
+                for k in names[shift:] + names[:shift]:
                     t0 = time.perf_counter()
-                    models[mode].forward(torch.tensor([ids[p]]), p)
+                    trs[k].forward(torch.tensor([ids[p]]), p)
                     dt = time.perf_counter() - t0
-                    times[mode].append(dt)
-                    sums[mode] += dt
-            round_ratios.append(sums["dense"] / sums["sparse"])
-    frac = sparse.sparsity()
-    pairs = [d / s for d, s in zip(times["dense"], times["sparse"], strict=True)]
-    return {"dense_decode_tps": 1 / statistics.median(times["dense"]),
-            "sparse_decode_tps": 1 / statistics.median(times["sparse"]),
-            "speedup_median_of_pairs": statistics.median(pairs), "pairs": len(pairs),
-            "speedup_per_round": [round(x, 3) for x in round_ratios],
-            "sparse_active_fraction_decode": sum(frac) / len(frac)}
+                    times[k].append(dt)
+                    sums[k][-1] += dt
+    out = {}
+    for k in names:
+        frac = models[k].sparsity()
+        out[k] = {"decode_tps": 1 / statistics.median(times[k]), "steps": len(times[k]),
+                  "active_fraction": None if frac is None else sum(frac) / len(frac)}
+        if k != "dense":
+            pairs = [d / s for d, s in zip(times["dense"], times[k], strict=True)]
+            out[k]["speedup_median_of_pairs"] = statistics.median(pairs)
+            out[k]["speedup_per_round"] = [round(d / s, 3) for d, s in zip(sums["dense"], sums[k], strict=True)]
+    return out
 
 
-def agreement(dense, sparse, ids: list[int]) -> dict:
-    a, b = dense.forward_logits(ids), sparse.forward_logits(ids)
+def agreement(dense, other, ids: list[int]) -> dict:
+    a, b = dense.forward_logits(ids), other.forward_logits(ids)
     return {"positions": len(ids), "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean())}
 
 
@@ -110,6 +117,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="passes over the decoded tokens")
     ap.add_argument("--tokens", type=int, default=48, help="tokens decoded per round")
     ap.add_argument("--agree-tokens", type=int, default=512)
+    ap.add_argument("--no-oracle", action="store_true", help="skip the exact-mask (--oracle-masks) mode")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -120,22 +128,25 @@ def main() -> None:
 
     ctx = max(256, args.agree_tokens + 8, PROMPT_TOKENS + args.tokens + 8)
     dense = load_model(args.model, threads=args.threads, ffn_mode="dense", ctx_size=ctx)
-    sparse = load_model(args.model, threads=args.threads, ffn_mode="sparse", ctx_size=ctx)
     ids = dense.tokenizer.encode(HELDOUT.read_text(encoding="utf-8"))
-    summary = {"model": str(args.model), "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
-               **lockstep(dense, sparse, ids[:PROMPT_TOKENS + 1 + args.tokens], args.rounds),
-               "agreement": agreement(dense, sparse, ids[:args.agree_tokens])}
+    summary = {"model": str(args.model), "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens}
+    for mode in ["sparse"] + ([] if args.no_oracle else ["oracle"]):  # each mode in lockstep with dense, in turn
+        other = load_model(args.model, threads=args.threads, ffn_mode=mode, ctx_size=ctx)
+        res = lockstep({"dense": dense, mode: other}, ids[:PROMPT_TOKENS + 1 + args.tokens], args.rounds)
+        summary[mode] = res[mode] | {"dense_decode_tps": res["dense"]["decode_tps"],
+                                     "agreement": agreement(dense, other, ids[:args.agree_tokens])}
+        del other
     if args.json:
         print(json.dumps(summary, indent=2))
         return
-    agree = summary["agreement"]
-    print(f"{args.model.name}: dense {summary['dense_decode_tps']:.2f} tok/s, sparse "
-          f"{summary['sparse_decode_tps']:.2f} tok/s (medians of {summary['pairs']} steps each), speed-up "
-          f"{summary['speedup_median_of_pairs']:.2f}x (median of paired steps; per round: "
-          f"{', '.join(f'{x:.2f}' for x in summary['speedup_per_round'])}); sparse computes "
-          f"{summary['sparse_active_fraction_decode']:.1%} of FFN neurons")
-    print(f"top-1 agreement sparse vs dense over {agree['positions']} held-out positions: "
-          f"{agree['top1_agreement']:.3f}")
+    for mode in ("sparse", "oracle"):
+        if mode in summary:
+            r, agree = summary[mode], summary[mode]["agreement"]
+            print(f"{args.model.name} {mode}: {r['decode_tps']:.2f} vs dense {r['dense_decode_tps']:.2f} tok/s "
+                  f"(medians of {r['steps']} steps), speed-up {r['speedup_median_of_pairs']:.2f}x (median of paired "
+                  f"steps; per round: {', '.join(f'{x:.2f}' for x in r['speedup_per_round'])}); computes "
+                  f"{r['active_fraction']:.1%} of FFN neurons; top-1 agreement with dense {agree['top1_agreement']:.3f}"
+                  f" over {agree['positions']} held-out positions")
 
 
 if __name__ == "__main__":

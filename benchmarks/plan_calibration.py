@@ -7,8 +7,8 @@ Measured: seconds per decoded token of runtime.load_model(path, threads=N) + m.g
 temperature=0.0), the fastest of a few rounds after a warm-up (other processes only ever add time), for
   - the demo model, SmolLM2-135M Q4_1 (dense SwiGLU), after a short and after a long prompt,
   - a planted model (formats.synth: ReLU, known per-neuron frequencies, F32), dense, short and long prompt,
-  - the planted model with exact ("oracle") masks, which the runtime computes from the gate and up rows of every
-    neuron before reading the down rows of the active ones.
+  - the planted model with exact ("oracle") masks: the runtime reads the gate row of every neuron and the up and
+    down rows of the active ones.
 Predicted: the cost model's CPU-only time of each run from the bytes and operators it says the CPU touches
 (costmodel.cpu_work; for the oracle run, the runtime's own split of dense and sparse rows), with the three CPU
 constants fitted by calibration.fit on the dense runs. Printed: measured vs fitted, leave-one-out (each dense run
@@ -71,7 +71,8 @@ def measure(path: Path, mode: str, threads: int, tokens: int, rounds: int, promp
 
 def features(path: Path, freq: list[np.ndarray] | None, ctx: int, threads: int) -> calibration.Sample:
     """Bytes and operators the cost model says a CPU-only token touches. freq None: dense, every row read. With
-    freq (the oracle run): gate and up rows of every neuron, down rows of the active ones, as the runtime does."""
+    freq (the oracle run): the gate row of every neuron, the up and down rows of the active ones, as the runtime's
+    C++ kernel does (torch's fallback reads every up row too)."""
     from formats import constants as C
     from formats.reader import open_gguf
     from planner.memory import account
@@ -85,8 +86,8 @@ def features(path: Path, freq: list[np.ndarray] | None, ctx: int, threads: int) 
     s = calibration.sample(p, Plan.on_cpu(mb.n_layer), "", 0.0)
     if freq is not None:
         for b, fr in enumerate(freq):
-            down = f.info(C.tensor(C.FFN_DOWN_T, b)).nbytes / mb.layers[b].n_ff
-            s.cpu_bytes -= float(np.sum(1.0 - fr)) * down
+            up_down = f.info(C.tensor(C.FFN_UP, b)).nbytes + f.info(C.tensor(C.FFN_DOWN_T, b)).nbytes
+            s.cpu_bytes -= float(np.sum(1.0 - fr)) * up_down / mb.layers[b].n_ff
     return s
 
 

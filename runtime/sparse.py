@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .predictor import Predictor
-from .sparse_ffn import FFNWeights, ffn_masked, ffn_sparse
+from .sparse_ffn import FFNWeights, ffn_exact_relu, ffn_masked, ffn_sparse
 
 
 def gate_up_all(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
@@ -82,12 +82,11 @@ class SparsityStats:
     active: int = 0  # active neurons summed over them
 
     def add(self, mask: torch.Tensor) -> None:
-        self.tokens += mask.shape[0]
-        self.active += int(mask.sum())
+        self.add_counts(mask.shape[0], int(mask.sum()))
 
-    def add_one(self, n_active: int) -> None:
-        self.tokens += 1
-        self.active += n_active
+    def add_counts(self, tokens: int, active: int) -> None:
+        self.tokens += tokens
+        self.active += active
 
 
 @dataclass
@@ -100,8 +99,13 @@ class SparseFFN:
         x = x.to(self.w.dtype)
         if x.shape[0] == 1 and hasattr(self.masker, "indices"):  # decode with predictors
             idx = self.masker.indices(self.w, x, resid)
-            self.stats.add_one(idx.numel())
+            self.stats.add_counts(1, idx.numel())
             return ffn_sparse(self.w, x, idx)
+        if isinstance(self.masker, ReluOracleMasker):  # exact: the kernel finds the active neurons by their gates
+            done = ffn_exact_relu(self.w, x)
+            if done is not None:
+                self.stats.add_counts(x.shape[0], done[1])
+                return done[0]
         mask = self.masker(self.w, x, resid)  # (T, n_ff) bool
         self.stats.add(mask)
         if x.shape[0] == 1:

@@ -89,6 +89,7 @@ class FFNWeights:
         # gate_up as the [d, 2 n_ff] operand sampled_addmm wants (a transposed view: rows stay contiguous)
         self.rows_t = self.gate_up.view(2 * self.n_ff, self.n_embd).t()
         self.pair_rows = torch.arange(2 * self.n_ff).view(self.n_ff, 2)  # neuron i -> its rows (2i, 2i+1)
+        self.all_idx = torch.arange(self.n_ff)
 
     @property
     def n_ff(self) -> int:
@@ -249,7 +250,7 @@ def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: in
     if T <= KERNEL_MAX_T and w.dtype == torch.float32 and use_kernels and cpu_kernels.available():
         rm = None if row_mask is None else row_mask.to(torch.bool).contiguous()
         return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, idx.contiguous(), rm,
-                                                ACT_CODES[w.act])
+                                                ACT_CODES[w.act])[0]
     d = w.n_embd
     parts = threads or torch.get_num_threads()
     if T < GATHER_MIN_T and w.dtype in SDDMM_DTYPES:
@@ -264,6 +265,15 @@ def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: in
         return _axpy_down(w, h, idx, parts)
     down = torch.index_select(w.down_t, 0, idx, out=_ws.get("down", k, d, w.dtype))
     return h @ down
+
+
+def ffn_exact_relu(w: FFNWeights, x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """ReLU/dReLU, few tokens: the exact FFN through the C++ kernel over every neuron, which reads each gate row and
+    the up and down rows of the active neurons only (~40% of the dense bytes at 90% sparsity). Returns (result, number
+    of active (token, neuron) pairs), or None where the kernel does not apply (SwiGLU, half precision, no compiler)."""
+    if w.act == "silu" or x.shape[0] > KERNEL_MAX_T or w.dtype != torch.float32 or not cpu_kernels.available():
+        return None
+    return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, w.all_idx, None, ACT_CODES[w.act])
 
 
 # --- dense or sparse ---------------------------------------------------------------------------------------------

@@ -44,6 +44,29 @@ def test_oracle_masks_equal_dense(planted):
     assert all(0.03 < f < 0.2 for f in frac), frac  # ~10% of neurons computed: the sparse paths really ran
 
 
+def test_oracle_kernel_path_counts_like_the_masks(planted, monkeypatch):
+    """Decode with --oracle-masks runs the C++ kernel over every neuron (gate rows decide); its logits and active
+    counts equal the mask-then-compute path's (torch's kernels)."""
+    from runtime import cpu_kernels, sparse
+    from runtime import sparse_ffn as S
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.status())
+    calls = []
+    real = sparse.ffn_exact_relu
+    monkeypatch.setattr(sparse, "ffn_exact_relu", lambda *a: calls.append(1) or real(*a))
+    ids = list(np.random.default_rng(3).integers(3, 250, 20))
+    fast = load_model(planted, ffn_mode="oracle")
+    got = decode_logits(fast, ids, 2)
+    assert len(calls) >= len(ids) - 2  # every decode step (and the 2-token prefill) took the kernel path
+    monkeypatch.setattr(S, "KERNEL_MAX_T", 0)
+    slow = load_model(planted, ffn_mode="oracle")
+    want = decode_logits(slow, ids, 2)
+    assert np.abs(got - want).max() < 1e-4
+    for a, b in zip(fast.transformer.blocks, slow.transformer.blocks, strict=True):
+        assert (a.ffn.stats.tokens, a.ffn.stats.active) == (b.ffn.stats.tokens, b.ffn.stats.active)
+
+
 def test_cats_oracle_equals_thresholded_dense(tmp_path):
     cfg = tiny_config(ffn_act="silu")
     w = random_weights(cfg, seed=4, scale=0.2)

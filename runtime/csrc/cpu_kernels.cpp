@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -145,6 +146,7 @@ struct Walk {
   const bool* mask; int64_t mask_stride; int64_t act; float* acc;  // acc: this thread's [T, d] partial sums
   std::vector<float> g, u;  // [T, NB] gate / up values of the pending neurons
   int64_t pend[NB]; int n_pend = 0;
+  int64_t nonzero = 0;  // (token, neuron) pairs whose activation is not zero
 
   bool on(int64_t t, int64_t j) const { return mask == nullptr || mask[t * mask_stride + j]; }
 
@@ -159,6 +161,7 @@ struct Walk {
         const float a = on(t, pend[r]) ? activate(act, g[t * NB + r], u[t * NB + r]) : 0.f;
         if (a != 0.f) { h[n] = a; down[n++] = dt + ids[pend[r]] * d; }
       }
+      nonzero += n;
       dispatch<Axpys>(n, acc + t * d, (const float*)h, (const float* const*)down, d);
     }
     n_pend = 0;
@@ -185,8 +188,10 @@ struct Walk {
   }
 };
 
-// y [T, d] = sum over j of act(x . gate[idx_j], x . up[idx_j]) * down_t[idx_j] (times row_mask[t, j] if given)
-at::Tensor ffn_sparse_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down_t,
+// y [T, d] = sum over j of act(x . gate[idx_j], x . up[idx_j]) * down_t[idx_j] (times row_mask[t, j] if given), and
+// the number of (token, neuron) pairs whose activation was not zero: for ReLU/dReLU over every neuron, the exact
+// active count (pi-run --oracle-masks reports it)
+std::tuple<at::Tensor, int64_t> ffn_sparse_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down_t,
                            const at::Tensor& idx, const std::optional<at::Tensor>& row_mask, int64_t act) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [T, d]");
   const int64_t T = x.size(0), d = x.size(1), n_ff = gate_up.size(0), k = idx.numel();
@@ -215,10 +220,13 @@ at::Tensor ffn_sparse_rows(const at::Tensor& x, const at::Tensor& gate_up, const
   float* accp = acc.data_ptr<float>();
   // One contiguous run of the index list per thread; tiny index sets stay on one thread (a fork costs more).
   const int64_t grain = std::max<int64_t>((k + nt - 1) / nt, 4 * NB);
+  std::vector<int64_t> nonzero(nt, 0);
   at::parallel_for(0, k, grain, [&](int64_t b, int64_t e) {
+    const int tid = at::get_thread_num();
     Walk w{x.data_ptr<float>(), T, d, gate_up.data_ptr<float>(), down_t.data_ptr<float>(), ids, mask, mask_stride,
-           act, accp + at::get_thread_num() * T * d};
+           act, accp + tid * T * d};
     w.run(b, e);
+    nonzero[tid] += w.nonzero;
   });
   at::Tensor y = acc[0].clone();
   float* yp = y.data_ptr<float>();
@@ -226,7 +234,9 @@ at::Tensor ffn_sparse_rows(const at::Tensor& x, const at::Tensor& gate_up, const
     const float* p = accp + t * T * d;
     for (int64_t i = 0; i < T * d; ++i) yp[i] += p[i];
   }
-  return y;
+  int64_t total = 0;
+  for (int64_t c : nonzero) total += c;
+  return {y, total};
 }
 
 // PowerInfer's predictor for one token, fused: the indices (ascending) of the neurons i with
@@ -403,7 +413,8 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& rope, at::Tens
 }  // namespace
 
 TORCH_LIBRARY(pinfer, m) {
-  m.def("ffn_sparse_rows(Tensor x, Tensor gate_up, Tensor down_t, Tensor idx, Tensor? row_mask, int act) -> Tensor",
+  m.def("ffn_sparse_rows(Tensor x, Tensor gate_up, Tensor down_t, Tensor idx, Tensor? row_mask, int act) -> "
+        "(Tensor, int)",
         &ffn_sparse_rows);
   m.def("predict_active(Tensor x, Tensor fc1, Tensor fc2_t, float threshold, Tensor? always) -> Tensor",
         &predict_active);
