@@ -182,7 +182,7 @@ def test_masked_rows_use_their_own_masks(mats, T, act):
 @pytest.mark.parametrize("T", [1, 3, 24])
 @pytest.mark.parametrize("act", S.ACTIVATIONS)
 def test_widths_and_index_counts_without_vector_multiples(act, T, path):
-    """The kernel's vector loop takes 16 floats and 4 neurons at a time: widths and index counts that are not
+    """The kernel's vector loop takes 16 floats and 8 neurons at a time: widths and index counts that are not
     multiples of either exercise its scalar tails."""
     gen = torch.Generator().manual_seed(T)
     n_ff, d = 77, 37
