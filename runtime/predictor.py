@@ -39,17 +39,15 @@ class Predictor:
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         return self.scores(x) >= self.threshold
 
-    def indices(self, x: torch.Tensor, always: torch.Tensor | None = None) -> torch.Tensor:
-        """One token x [1, d] -> the ascending indices of its predicted-active neurons, plus `always`. Runs the fused
-        C++ kernel when fc2 is stored transposed (load_predictors does so) and the kernels are built."""
+    def fused_indices(self, x: torch.Tensor, always: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One token x [1, d] -> the ascending indices of its predicted-active neurons, plus `always`, by the fused
+        C++ kernel; None where it does not apply (fc2 not stored transposed as load_predictors stores it, half
+        precision, no kernels): then use mask()."""
         fc2_t = self.fc2.t()
-        if self.fc1.dtype == torch.float32 and fc2_t.is_contiguous() and cpu_kernels.available():
-            return torch.ops.pinfer.predict_active(x.to(torch.float32).contiguous(), self.fc1, fc2_t,
-                                                   self.threshold, always)
-        mask = self.mask(x)[0]
-        if always is not None:
-            mask[always] = True
-        return mask.nonzero().view(-1)
+        if self.fc1.dtype != torch.float32 or not fc2_t.is_contiguous() or not cpu_kernels.available():
+            return None
+        return torch.ops.pinfer.predict_active(x.to(torch.float32).contiguous(), self.fc1, fc2_t, self.threshold,
+                                               always)
 
 
 def sparse_threshold(f: GGUFFile) -> float:
@@ -84,6 +82,6 @@ def load_predictors(f: GGUFFile, n_layer: int, dtype: torch.dtype = torch.float3
             raise PinferError(f"{f.path}: predictor of layer {i} has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}, "
                               f"which do not chain")
         # fc2 kept as a transposed view of a contiguous [r, n_ff]: one token's second layer is then an axpy over the
-        # rows of the hidden units ReLU keeps (Predictor.indices), and batches still multiply by the view
+        # rows of the hidden units ReLU keeps (Predictor.fused_indices), and batches still multiply by the view
         preds.append(Predictor(fc1.contiguous(), fc2.t().contiguous().t(), thr[i]))
     return preds

@@ -52,8 +52,9 @@ class PredictorMasker:
         return mask
 
     def indices(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        """One token: the active neurons' indices directly (no [n_ff] mask on the decode path)."""
-        return self.pred.indices(resid, self.always)
+        """One token: the active neurons' indices, straight from the fused kernel when it applies."""
+        idx = self.pred.fused_indices(resid, self.always)
+        return idx if idx is not None else self(w, x, resid)[0].nonzero().view(-1)
 
 
 class ReluOracleMasker:
@@ -97,7 +98,7 @@ class SparseFFN:
 
     def __call__(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
         x = x.to(self.w.dtype)
-        if x.shape[0] == 1 and hasattr(self.masker, "indices"):  # decode with predictors
+        if x.shape[0] == 1 and isinstance(self.masker, PredictorMasker):  # decode with predictors
             idx = self.masker.indices(self.w, x, resid)
             self.stats.add_counts(1, idx.numel())
             return ffn_sparse(self.w, x, idx)

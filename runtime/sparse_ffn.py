@@ -236,6 +236,11 @@ def _axpy_down(w: FFNWeights, h: torch.Tensor, idx: torch.Tensor, parts: int = 1
     return out if parts == 1 else out.sum(0, keepdim=True)
 
 
+def kernel_applies(w: FFNWeights, T: int) -> bool:
+    """Whether T tokens of this layer run through the C++ kernel (fp32, few tokens, kernels built)."""
+    return T <= KERNEL_MAX_T and w.dtype == torch.float32 and cpu_kernels.available()
+
+
 def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None,
                row_mask: torch.Tensor | None = None, use_kernels: bool = True) -> torch.Tensor:
     """The FFN for x [T, d] computed on neurons idx only (LongTensor, sorted or not, no duplicates): the dense FFN with
@@ -247,7 +252,7 @@ def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: in
     k = idx.numel()
     if k == 0:
         return x.new_zeros(T, w.n_embd)
-    if T <= KERNEL_MAX_T and w.dtype == torch.float32 and use_kernels and cpu_kernels.available():
+    if use_kernels and kernel_applies(w, T):
         rm = None if row_mask is None else row_mask.to(torch.bool).contiguous()
         return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, idx.contiguous(), rm,
                                                 ACT_CODES[w.act])[0]
@@ -271,7 +276,7 @@ def ffn_exact_relu(w: FFNWeights, x: torch.Tensor) -> tuple[torch.Tensor, int] |
     """ReLU/dReLU, few tokens: the exact FFN through the C++ kernel over every neuron, which reads each gate row and
     the up and down rows of the active neurons only (~40% of the dense bytes at 90% sparsity). Returns (result, number
     of active (token, neuron) pairs), or None where the kernel does not apply (SwiGLU, half precision, no compiler)."""
-    if w.act == "silu" or x.shape[0] > KERNEL_MAX_T or w.dtype != torch.float32 or not cpu_kernels.available():
+    if w.act == "silu" or not kernel_applies(w, x.shape[0]):
         return None
     return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, w.all_idx, None, ACT_CODES[w.act])
 

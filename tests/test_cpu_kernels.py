@@ -57,21 +57,20 @@ def test_fused_predictor_equals_torch(r, d, n_ff):
     fc1, fc2 = torch.randn(r, d, generator=gen), torch.randn(n_ff, r, generator=gen)
     fused = Predictor(fc1, fc2.t().contiguous().t(), threshold=0.5)
     plain = Predictor(fc1, fc2.contiguous(), threshold=0.5)
+    assert plain.fused_indices(torch.randn(1, d)) is None  # fc2 not stored transposed: the caller uses mask()
     always = torch.tensor([0, n_ff - 1])
     for _ in range(5):
         x = torch.randn(1, d, generator=gen)
+        idx_fused = fused.fused_indices(x, always)
+        assert torch.all(idx_fused[1:] > idx_fused[:-1])  # ascending, no duplicates
         got = torch.zeros(n_ff, dtype=torch.bool)
-        got[fused.indices(x, always)] = True
-        idx = plain.indices(x, always)
-        assert torch.all(idx[1:] > idx[:-1])  # ascending, no duplicates
-        want = torch.zeros(n_ff, dtype=torch.bool)
-        want[idx] = True
+        got[idx_fused] = True
+        want = plain.mask(x)[0]
+        want[always] = True
         scores = plain.scores(x)[0]
         near = (scores - 0.5).abs() <= 1e-4 * scores.abs().max()
         assert torch.equal(got[~near], want[~near])
         assert got[always].all()
-        idx_fused = fused.indices(x, always)
-        assert torch.all(idx_fused[1:] > idx_fused[:-1])
 
 
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (8, 2), (6, 1)])
