@@ -3,7 +3,7 @@
     python benchmarks/e2e_sparse.py                    # makes the model and its predictors on first use (cached)
     python benchmarks/e2e_sparse.py --rounds 5 --tokens 32 --json
 
-1. The model: formats.synth with a TinyLlama-like Llama-2 shape (22 layers, d 2048, n_ff 5632, 32 heads, 4 kv
+1. The model: synth with a TinyLlama-like Llama-2 shape (22 layers, d 2048, n_ff 5632, 32 heads, 4 kv
    heads, Llama-2's 32000-token vocabulary size: ~1.1B parameters), 90% planted sparsity, stored F32 (see --dtype).
    The vocabulary is synth's byte-level one padded to 32000 entries: the output head has ReluLLaMA's shape, and the
    built-in corpus gives ~17k calibration tokens (a 49k BPE vocabulary like SmolLM2's gives ~4k, too few to train
@@ -44,7 +44,7 @@ def ensure_model(path: Path, args) -> None:
     from formats.reader import open_gguf
 
     if not path.exists():
-        from formats.synth import SynthSpec, generate
+        from synth import SynthSpec, generate
 
         path.parent.mkdir(parents=True, exist_ok=True)
         n_layer, d, ff, h, hkv = (int(v) for v in args.shape.split(","))
@@ -124,7 +124,7 @@ def main() -> None:
     args.model = args.model or RESULTS / f"planted-1b-r{round(args.recall * 100)}.gguf"
     ensure_model(args.model, args)
     from runtime import load_model
-    from runtime.profile import HELDOUT
+    from runtime.corpus import HELDOUT
 
     ctx = max(256, args.agree_tokens + 8, PROMPT_TOKENS + args.tokens + 8)
     dense = load_model(args.model, threads=args.threads, ffn_mode="dense", ctx_size=ctx)

@@ -6,7 +6,7 @@
 Measured: seconds per decoded token of runtime.load_model(path, threads=N) + m.generate(ids, max_tokens=...,
 temperature=0.0), the fastest of a few rounds after a warm-up (other processes only ever add time), for
   - the demo model, SmolLM2-135M Q4_1 (dense SwiGLU), after a short and after a long prompt,
-  - a planted model (formats.synth: ReLU, known per-neuron frequencies, F32), dense, short and long prompt,
+  - a planted model (synth: ReLU, known per-neuron frequencies, F32), dense, short and long prompt,
   - the planted model with exact ("oracle") masks: the runtime reads the gate row of every neuron and the up and
     down rows of the active ones.
 Predicted: the cost model's CPU-only time of each run from the bytes and operators it says the CPU touches
@@ -45,7 +45,7 @@ def planted_model(path: Path) -> Path:
     """A ReLU model with planted activation frequencies, big enough that weights dominate a token (~0.5 GB)."""
     if path.exists():
         return path
-    from formats.synth import SynthSpec, generate
+    from synth import SynthSpec, generate
 
     spec = SynthSpec(n_layer=8, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=4, dtype="f32", sparsity=0.85,
                      skew=1.0, seed=0, calib_tokens=1024, name="planted-8x1024")
@@ -105,8 +105,8 @@ def main() -> None:
     import os
 
     from formats.reader import open_gguf
-    from formats.synth import target_frequencies
     from runtime import resolve_model_path
+    from synth import target_frequencies
 
     load_before = os.getloadavg()[0]
     smollm2 = resolve_model_path("smollm2")

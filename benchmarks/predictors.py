@@ -4,7 +4,7 @@
     python benchmarks/predictors.py --repeats 3 --json   # medians over 3 runs of each pi-profile command
     python benchmarks/predictors.py --skip-demo          # planted model only
 
-1. Planted model (formats.synth, ReluLLaMA-shaped, ~90% sparse, F16 weights): `pi-profile --train-predictors` on the
+1. Planted model (synth, ReluLLaMA-shaped, ~90% sparse, F16 weights): `pi-profile --train-predictors` on the
    built-in corpus. Per layer: measured sparsity, chosen hidden size, predictor bytes as % of the layer's FFN bytes,
    recall / precision / predicted density on the profiler's held-out test tokens, and recall again through the
    runtime's load_predictors on runtime/corpus/heldout.txt (text the profiler never saw). Also the bytes a sparse
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from formats import synth  # noqa: E402
+import synth  # noqa: E402
 from formats.reader import open_gguf  # noqa: E402
-from runtime import profile as P  # noqa: E402
+from runtime.corpus import HELDOUT  # noqa: E402
 from runtime.engine import load_model  # noqa: E402
 from runtime.predictor import load_predictors  # noqa: E402
 
@@ -55,7 +55,7 @@ def heldout_recall(path: Path, ctx: int = 512) -> list[dict]:
     """Per layer recall/precision of the stored predictors (runtime loader) against exact masks on heldout.txt."""
     m = load_model(path, ctx_size=ctx, ffn_mode="dense")
     preds = load_predictors(m.file, m.cfg.n_layer)
-    ids = m.tokenizer.encode(P.HELDOUT.read_text(encoding="utf-8"))
+    ids = m.tokenizer.encode(HELDOUT.read_text(encoding="utf-8"))
     tp = [0] * m.cfg.n_layer
     pos = [0] * m.cfg.n_layer
     pred_n = [0] * m.cfg.n_layer
@@ -103,16 +103,16 @@ def planted_benchmark(tmp: Path, repeats: int, threads: int, model: Path | None)
     f = open_gguf(out)
     ffn_bytes = summary["ffn_bytes_per_layer"]
     layers = []
-    for row, h in zip(summary["layers"], held, strict=True):
+    for row, h, fb in zip(summary["layers"], held, ffn_bytes, strict=True):
         layers.append({**{k: row[k] for k in ("layer", "sparsity", "hidden", "bytes_pct", "recall", "precision",
                                                "predicted_density")},
                        "heldout_recall": h["recall"], "heldout_precision": h["precision"],
-                       "read_vs_dense": (row["predictor_bytes"] + row["predicted_density"] * ffn_bytes) / ffn_bytes})
+                       "read_vs_dense": (row["predictor_bytes"] + row["predicted_density"] * fb) / fb})
     total_pred = sum(r["predictor_bytes"] for r in summary["layers"])
     return {"model": str(model), "shape": PLANTED, "generate_s": gen_s, "tokens": summary["tokens"],
             "pi_profile_wall_s": walls, "pi_profile_wall_median_s": statistics.median(walls),
             "stage_seconds": summary["seconds"], "layers": layers,
-            "predictor_bytes_pct_total": 100 * total_pred / (ffn_bytes * len(layers)),
+            "predictor_bytes_pct_total": 100 * total_pred / sum(ffn_bytes),
             "sparse_threshold": summary.get("sparse_threshold"),
             "per_layer_thresholds": f.get("pinfer.predictor.threshold") is not None,
             "targets": {"recall>=0.95 every layer (test)": all(r["recall"] >= 0.95 for r in layers),

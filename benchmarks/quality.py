@@ -41,8 +41,8 @@ def main() -> None:
     levels = args.sparsity or [0.3]
 
     from runtime import load_model
+    from runtime.corpus import HELDOUT
     from runtime.perplexity import perplexity
-    from runtime.profile import HELDOUT
 
     text = HELDOUT.read_text(encoding="utf-8")
     rows = []

@@ -42,7 +42,6 @@ TOKENIZER_MERGES = "tokenizer.ggml.merges"
 TOKENIZER_BOS_ID = "tokenizer.ggml.bos_token_id"
 TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
 TOKENIZER_UNK_ID = "tokenizer.ggml.unknown_token_id"
-TOKENIZER_PAD_ID = "tokenizer.ggml.padding_token_id"
 TOKENIZER_EOT_ID = "tokenizer.ggml.eot_token_id"
 TOKENIZER_ADD_BOS = "tokenizer.ggml.add_bos_token"
 TOKENIZER_ADD_EOS = "tokenizer.ggml.add_eos_token"
@@ -82,9 +81,7 @@ GPU_INDEX_ARCH = "generic.gpu_index"  # general.architecture of a .generated.gpu
 GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"
 SPLIT_VRAM_CAPACITY = "split.vram_capacity"  # u64 bytes the placement was solved for
 GPUIDX_SUFFIX = ".generated.gpuidx"
-ACTIVATION_DIR = "activation"  # PowerInfer profiles: activation/activation_{N}.pt, 1-D counts [n_ff]
 ACTIVATION_FILE = "activation_{bid}.pt"
-PREDICTOR_FILE = "model_{bid}.pt"  # PowerInfer predictor directories: fc1.weight / fc2.weight
 
 # --- pinfer additions ---------------------------------------------------------------------------------------------
 # The FFN activation is decided from the file (see config.py); this key lets a file state it outright.
@@ -122,7 +119,7 @@ def arch_key(template: str, arch: str) -> str:
     return template.format(arch=arch)
 
 # synth
-# Synthetic models with planted activation locality (formats/synth.py). Stored as metadata, not tensors, so that a
+# Synthetic models with planted activation locality (synth/). Stored as metadata, not tensors, so that a
 # llama loader finds exactly the tensors it expects.
 SYNTH_TARGET_FREQ = "pinfer.synth.target_freq.{bid}"  # f32 array [n_ff]: planted P(neuron i active) in block bid
 SYNTH_SEED = "pinfer.synth.seed"  # u32
@@ -169,5 +166,5 @@ PRED_RECALL_TARGET = "pinfer.predictor.recall_target"  # f32: the --recall the t
 PRED_SOURCE = "pinfer.predictor.source"  # str: "pi-profile" (trained) or "imported: DIR"
 # Largest |activation| each neuron reached while profiling. SwiGLU models have a few "massive activation" neurons
 # (e.g. on the first token) that carry hundreds of times the usual magnitude; missing one ruins a whole sequence, so
-# the runtime computes such outliers for every token whatever the predictor says (runtime/sparse.py).
+# the runtime computes such outliers for every token whatever the predictor says (runtime/ffn_sparse.py).
 ACT_PEAK = "blk.{bid}.act_peak"  # F32 [n_ff]

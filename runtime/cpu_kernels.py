@@ -8,7 +8,7 @@ everything that affects it, written to a temporary file and renamed, so concurre
 never load half a library.
 
 Without a C++ compiler (or with PINFER_CPU_KERNELS=0) `available()` is False and pinfer uses torch's own
-operators instead: same results, slower (measurements in runtime/sparse_ffn.py and runtime/csrc).
+operators instead: same results, slower (measurements in runtime/sparse_ops.py and runtime/csrc).
 """
 
 from __future__ import annotations

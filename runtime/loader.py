@@ -9,21 +9,12 @@ from formats.config import ModelConfig
 from formats.errors import PinferError
 from formats.reader import GGUFFile
 
-from .ffn import DenseFFN
+from .ffn_dense import DenseFFN
+from .ffn_sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN, outlier_neurons
 from .linear import DenseLinear, QuantEmbedding, dequantize, load_linear
 from .model import BlockWeights, Transformer
 from .predictor import load_predictors
-from .sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN, outlier_neurons
-from .sparse_ffn import pack_ffn
-
-
-def required_tensors(cfg: ModelConfig) -> list[str]:
-    names = [C.TOKEN_EMBD, C.OUTPUT_NORM]
-    down = C.FFN_DOWN_T if cfg.down_transposed else C.FFN_DOWN
-    for i in range(cfg.n_layer):
-        for t in (C.ATTN_NORM, C.ATTN_Q, C.ATTN_K, C.ATTN_V, C.ATTN_OUT, C.FFN_NORM, C.FFN_GATE, C.FFN_UP, down):
-            names.append(C.tensor(t, i))
-    return names
+from .sparse_ops import pack_ffn
 
 
 def check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
@@ -65,7 +56,7 @@ def load_dense_ffn(f: GGUFFile, cfg: ModelConfig, i: int, dtype: torch.dtype, qu
 
 
 def load_sparse_ffn(f: GGUFFile, cfg: ModelConfig, i: int, masker) -> SparseFFN:
-    """The layer's FFN in the neuron-major layout of runtime.sparse_ffn (fp32: the SDDMM kernel's dtype)."""
+    """The layer's FFN in the neuron-major layout of runtime.sparse_ops (fp32: the SDDMM kernel's dtype)."""
     t = lambda template: C.tensor(template, i)  # noqa: E731
     down_name = t(C.FFN_DOWN_T) if cfg.down_transposed else t(C.FFN_DOWN)
     w = pack_ffn(dequantize(f, t(C.FFN_GATE)), dequantize(f, t(C.FFN_UP)), dequantize(f, down_name),
@@ -74,7 +65,7 @@ def load_sparse_ffn(f: GGUFFile, cfg: ModelConfig, i: int, masker) -> SparseFFN:
 
 
 def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
-    """One masker per layer for the sparse modes (see runtime/sparse.py)."""
+    """One masker per layer for the sparse modes (see runtime/ffn_sparse.py)."""
     if mode == "sparse":
         peaks = [dequantize(f, C.tensor(C.ACT_PEAK, i)) if f.has(C.tensor(C.ACT_PEAK, i)) else None
                  for i in range(cfg.n_layer)]

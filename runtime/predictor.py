@@ -6,7 +6,8 @@ input before ffn_norm). GGUF stores fc1 as [r, d] and fc2 as [n_ff, r] in numpy 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +21,20 @@ from . import cpu_kernels
 
 @dataclass
 class Predictor:
+    """One layer's predictor. The runtime keeps fc1/fc2 as loaded; pi-profile trains and stores float16 ones and
+    records how they did on held-out profiled tokens (nan when unknown, e.g. imported predictors)."""
+
     fc1: torch.Tensor  # [r, d]
     fc2: torch.Tensor  # [n_ff, r]
-    threshold: float = 0.0
+    threshold: float = 0.0  # neuron i predicted active iff fc2(relu(fc1 x))[i] >= threshold
+    recall: float = math.nan
+    precision: float = math.nan
+    density: float = math.nan  # fraction of neurons predicted active per token
+    true_density: float = math.nan  # fraction actually active on the same tokens
+    ladder: list[dict] = field(default_factory=list)  # training: per candidate size, hidden, density, cost
 
     @property
-    def rank(self) -> int:
+    def hidden(self) -> int:
         return self.fc1.shape[0]
 
     @property
@@ -33,8 +42,8 @@ class Predictor:
         return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] -> [T, n_ff]"""
-        return F.linear(F.relu(F.linear(x.to(self.fc1.dtype), self.fc1)), self.fc2)
+        """x [T, d] -> [T, n_ff], computed in float32 (a no-op conversion for float32 weights)"""
+        return F.linear(F.relu(F.linear(x.float(), self.fc1.float())), self.fc2.float())
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         return self.scores(x) >= self.threshold

@@ -99,23 +99,24 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     from formats.reader import open_gguf
     from formats.writer import rewrite_gguf
 
-    from . import profile as P
+    from . import activity, corpus, powerinfer_dirs, predictor_training, profile_store
     from .engine import load_model, resolve_model_path
+    from .profile import profile
 
     _check_options(o)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr))
     path = resolve_model_path(model)
     f = open_gguf(path)
     cfg = config_from_gguf(f, ffn_act=o["ffn_act"])
-    P.check_ffn_tensors(f, cfg)
+    profile_store.check_ffn_tensors(f, cfg)
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     summary: dict = {"model": str(path), "out": None, "n_layer": cfg.n_layer, "n_ff": cfg.n_ff,
                      "ffn_act": cfg.ffn_act, "seconds": {}}
 
     if o["export_activations"]:
-        counts, tokens = P.stored_counts(f, cfg)
-        P.export_activations(counts, Path(o["export_activations"]))
+        counts, tokens = profile_store.stored_counts(f, cfg)
+        powerinfer_dirs.export_activations(counts, Path(o["export_activations"]))
         summary.update(exported=str(o["export_activations"]), tokens=tokens,
                        sparsity=(1 - counts.mean(axis=1) / max(tokens, 1)).round(6).tolist())
         return summary
@@ -125,11 +126,11 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     drop: list = []
     drop_tensors: list = []
     layers: list[dict] = [{"layer": i} for i in range(cfg.n_layer)]
-    ffn_bytes = P.ffn_bytes_per_layer(f, cfg)
+    ffn_bytes = predictor_training.ffn_bytes_per_layer(f, cfg)
 
     if o["import_activations"] or o["import_predictors"]:
         if o["import_activations"]:
-            counts = P.import_activations(Path(o["import_activations"]), cfg)
+            counts = powerinfer_dirs.import_activations(Path(o["import_activations"]), cfg)
             tokens = o["tokens"]
             note = ""
             if tokens is None:  # PowerInfer's files do not record it; the hottest neuron's count is a lower bound
@@ -151,35 +152,36 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
             for i, row in enumerate(layers):
                 row["sparsity"] = float(1 - counts[i].mean() / tokens)
         if o["import_predictors"]:
-            preds, thr = P.import_predictors(Path(o["import_predictors"]), cfg)
-            m, t, d = P.predictor_entries(preds, thr, cfg.ffn_act, f"imported: {Path(o['import_predictors']).name}")
+            preds, thr = powerinfer_dirs.import_predictors(Path(o["import_predictors"]), cfg)
+            source = f"imported: {Path(o['import_predictors']).name}"
+            m, t, d = profile_store.predictor_entries(preds, thr, cfg.ffn_act, source)
             meta.update(m)
             tensors.update(t)
             drop += d
             summary["sparse_threshold"] = thr
-            for p, row in zip(preds, layers, strict=True):
-                row.update(hidden=p.hidden, predictor_bytes=p.nbytes, bytes_pct=100 * p.nbytes / ffn_bytes)
+            for p, row, fb in zip(preds, layers, ffn_bytes, strict=True):
+                row.update(hidden=p.hidden, predictor_bytes=p.nbytes, bytes_pct=100 * p.nbytes / fb)
     else:
-        rule = P.activation_rule(cfg, o["sparsity"])  # refuses SwiGLU without --sparsity, before any work
-        files = [Path(c) for c in o["corpus"]] or P.builtin_corpus()
+        rule = activity.activation_rule(cfg, o["sparsity"])  # refuses SwiGLU without --sparsity, before any work
+        files = [Path(c) for c in o["corpus"]] or corpus.builtin_corpus()
         quantized = cfg.n_params > DEQUANTIZE_MAX_PARAMS
         t0 = time.perf_counter()
         m = load_model(path, threads=o["threads"], ctx_size=o["ctx"], quantized=quantized, ffn_act=o["ffn_act"],
                        ffn_mode="dense")
         summary["seconds"]["load"] = round(time.perf_counter() - t0, 2)
-        windows, desc = P.corpus_windows(m.tokenizer, files, o["ctx"], o["tokens"])
+        windows, desc = corpus.corpus_windows(m.tokenizer, files, o["ctx"], o["tokens"])
         n_tokens = sum(len(w) for w in windows)
-        need = P.min_train_tokens(cfg.n_embd)
+        need = predictor_training.min_train_tokens(cfg.n_embd)
         sample = min(o["sample_tokens"], n_tokens) if o["train_predictors"] else 0
         if o["train_predictors"] and sample < need:
             what = f"{n_tokens} tokens in the corpus" if sample == n_tokens else f"--sample-tokens {sample}"
             raise PinferError(f"training predictors for this model needs at least {need} profiled tokens, "
                               f"{what}; pass more text with --corpus or raise --tokens")
         with _Bar(quiet) as bar:
-            prof = P.profile(m, windows, rule, desc, sample_tokens=sample, sparsity=o["sparsity"], seed=o["seed"],
+            prof = profile(m, windows, rule, desc, sample_tokens=sample, sparsity=o["sparsity"], seed=o["seed"],
                              progress=bar.callback(f"profiling {n_tokens} tokens"))
             summary["seconds"]["profile"] = round(prof.seconds, 2)
-            mm, tt, dd = P.profile_entries(prof, cfg.n_layer)
+            mm, tt, dd = profile_store.profile_entries(prof, cfg.n_layer)
             meta.update(mm)
             tensors.update(tt)
             drop += dd
@@ -191,16 +193,17 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
             if o["train_predictors"]:
                 del m  # the samples are all training needs
                 t0 = time.perf_counter()
-                preds, thr = P.train_predictors(prof, ffn_bytes, o["recall"], o["ladder"], o["max_fraction"],
-                                                o["steps"], o["seed"], progress=bar.callback("training predictors"))
+                preds, thr = predictor_training.train_predictors(
+                    prof, ffn_bytes, o["recall"], o["ladder"], o["max_fraction"], o["steps"], o["seed"],
+                    progress=bar.callback("training predictors"))
                 summary["seconds"]["train"] = round(time.perf_counter() - t0, 2)
-                mm, tt, dd = P.predictor_entries(preds, thr, cfg.ffn_act, "pi-profile", o["recall"])
+                mm, tt, dd = profile_store.predictor_entries(preds, thr, cfg.ffn_act, "pi-profile", o["recall"])
                 meta.update(mm)
                 tensors.update(tt)
                 drop += dd
                 summary.update(sparse_threshold=thr, recall_target=o["recall"])
-                for p, row in zip(preds, layers, strict=True):
-                    row.update(hidden=p.hidden, predictor_bytes=p.nbytes, bytes_pct=100 * p.nbytes / ffn_bytes,
+                for p, row, fb in zip(preds, layers, ffn_bytes, strict=True):
+                    row.update(hidden=p.hidden, predictor_bytes=p.nbytes, bytes_pct=100 * p.nbytes / fb,
                                recall=p.recall, precision=p.precision, predicted_density=p.density,
                                threshold=p.threshold)
             elif f.has(C.tensor(C.PRED_FC1, 0)) and cfg.ffn_act == "silu":
@@ -246,7 +249,7 @@ def print_summary(s: dict) -> None:
     con.print(table)
     if any("predictor_bytes" in r for r in rows):
         total = sum(r.get("predictor_bytes", 0) for r in rows)
-        ffn = s["ffn_bytes_per_layer"] * len(rows)
+        ffn = sum(s["ffn_bytes_per_layer"])
         con.print(f"predictors: {total / 2**20:.2f} MiB = {100 * total / ffn:.1f}% of the FFN weights; "
                   f"threshold {s.get('sparse_threshold')}")
     con.print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in s["seconds"].items()))

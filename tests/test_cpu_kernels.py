@@ -1,4 +1,4 @@
-"""Building and caching the C++ CPU kernels (runtime/cpu_kernels.py); their numbers are tested in test_sparse_ffn."""
+"""Building and caching the C++ CPU kernels (runtime/cpu_kernels.py); their numbers are tested in test_sparse_ops."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import cpu_kernels
-from runtime import sparse_ffn as S
+from runtime import sparse_ops as S
 
 pytestmark = pytest.mark.skipif(os.environ.get("PINFER_CPU_KERNELS") == "0", reason="PINFER_CPU_KERNELS=0")
 
@@ -21,7 +21,7 @@ def test_build_is_cached_and_complete():
 
 
 def test_disabled_falls_back_to_torch(tmp_path):
-    code = ("from runtime import cpu_kernels as K, sparse_ffn as S; import torch;"
+    code = ("from runtime import cpu_kernels as K, sparse_ops as S; import torch;"
             "w = S.pack_ffn(torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4), down_transposed=True, act='relu');"
             "S.ffn_sparse(w, torch.randn(1, 4), torch.tensor([1, 2]));"
             "print(K.available(), K.status())")

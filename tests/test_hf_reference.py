@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 import torch
+import transformers  # the test extra: a missing reference is a failure, not a skip
 
 from formats import constants as C
 from formats.model_writer import write_llama
 from runtime import cpu_kernels, load_model
 from tests.tiny import tiny_config
-
-transformers = pytest.importorskip("transformers")
 
 
 def gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -8,12 +8,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import synth
 from formats import constants as C
-from formats import synth
 from formats.reader import open_gguf
-from runtime import profile as P
+from runtime import activity, corpus, predictor_training, profile_store
 from runtime.engine import load_model
-from runtime.predictor import load_predictors
+from runtime.predictor import Predictor, load_predictors
+from runtime.profile import profile
 from runtime.profile_cli import app
 from tests.tiny import random_weights, tiny_config, write_tiny
 
@@ -87,7 +88,7 @@ def forward_record(m, ids):
 
 
 def windows_of(m, n_tokens, ctx=128):
-    return P.corpus_windows(m.tokenizer, P.builtin_corpus(), ctx, n_tokens)[0]
+    return corpus.corpus_windows(m.tokenizer, corpus.builtin_corpus(), ctx, n_tokens)[0]
 
 
 # --- counting ---------------------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def windows_of(m, n_tokens, ctx=128):
 def test_counts_equal_brute_force(relu_model):
     m = load_model(relu_model, threads=2, ctx_size=128, ffn_mode="dense")
     windows = windows_of(m, 300, ctx=128)
-    prof = P.profile(m, windows, P.activation_rule(m.cfg))
+    prof = profile(m, windows, activity.activation_rule(m.cfg))
     brute = np.zeros_like(prof.counts)
     peak = np.zeros_like(prof.counts)
     reference = np.zeros_like(prof.counts)
@@ -109,7 +110,7 @@ def test_counts_equal_brute_force(relu_model):
     assert prof.tokens == 300
     np.testing.assert_array_equal(prof.counts, brute)
     np.testing.assert_allclose(prof.peak, peak, rtol=1e-5)  # the largest |activation| of each neuron
-    # an independent implementation of the forward pass (formats.synth): only gates within rounding of 0 may differ
+    # an independent implementation of the forward pass (synth): only gates within rounding of 0 may differ
     assert np.abs(prof.counts - reference).sum() <= 1e-3 * reference.sum()
     assert 0.8 < prof.sparsity.mean() < 0.97  # the planted model is ~90% sparse
 
@@ -118,9 +119,9 @@ def test_cats_threshold_hits_target_sparsity(silu_model):
     m = load_model(silu_model, threads=2, ctx_size=128, ffn_mode="dense")
     windows = windows_of(m, 400)
     with pytest.raises(Exception, match="--sparsity"):
-        P.activation_rule(m.cfg)
-    rule = P.activation_rule(m.cfg, 0.4)
-    prof = P.profile(m, windows, rule, sparsity=0.4)
+        activity.activation_rule(m.cfg)
+    rule = activity.activation_rule(m.cfg, 0.4)
+    prof = profile(m, windows, rule, sparsity=0.4)
     np.testing.assert_allclose(prof.sparsity, 0.4, atol=1e-5)
     brute = np.zeros_like(prof.counts)
     for ids in windows:
@@ -276,7 +277,7 @@ def test_predictor_dir_import(twelve_layers, tmp_path):
     assert f.info(C.tensor(C.PRED_FC1, 10)).type_name == "F16"
     preds = load_predictors(f, cfg.n_layer)
     for p, (fc1, fc2), r in zip(preds, weights, ranks, strict=True):
-        assert p.rank == r and p.threshold == pytest.approx(0.25)
+        assert p.hidden == r and p.threshold == pytest.approx(0.25)
         torch.testing.assert_close(p.fc1, fc1.half().float())
         torch.testing.assert_close(p.fc2, fc2.half().float())
 
@@ -299,7 +300,7 @@ def test_trained_predictors_reach_recall(relu_model, tmp_path):
     assert f.get(C.PRED_SOURCE) == "pi-profile" and len(f.get(C.PRED_RECALL)) == 2
     preds = load_predictors(f, 2)
     m = load_model(out, ctx_size=256, ffn_mode="dense")
-    ids = m.tokenizer.encode(P.HELDOUT.read_text())[:1024]
+    ids = m.tokenizer.encode(corpus.HELDOUT.read_text())[:1024]
     hit = total = 0
     for s in range(0, len(ids), 256):
         for i, (resid, gate, _) in forward_record(m, ids[s:s + 256]).items():
@@ -315,9 +316,10 @@ def test_ladder_picks_smaller_predictor_for_sparser_layer(tmp_path):
         # isotropic gate rows: how predictable a layer is then depends on its sparsity and skew alone
         path = planted(tmp_path / f"{name}.gguf", n_layer=1, sparsity=sparsity, skew=skew, gate_rank=0)
         m = load_model(path, ctx_size=256, ffn_mode="dense")
-        prof = P.profile(m, windows_of(m, 3000, ctx=256), P.activation_rule(m.cfg), sample_tokens=3000)
-        ffn_bytes = P.ffn_bytes_per_layer(m.file, m.cfg)
-        p = P.train_layer(prof.samples[0], ffn_bytes, ladder=(8, 16, 32, 64, 128), max_fraction=1.0, steps=0)
+        prof = profile(m, windows_of(m, 3000, ctx=256), activity.activation_rule(m.cfg), sample_tokens=3000)
+        ffn_bytes = predictor_training.ffn_bytes_per_layer(m.file, m.cfg)[0]
+        p = predictor_training.train_layer(prof.samples[0], ffn_bytes, ladder=(8, 16, 32, 64, 128), max_fraction=1.0,
+                                           steps=0)
         hidden[name] = p.hidden
         assert p.recall >= 0.94
     assert hidden["sparse"] < hidden["dense"], hidden
@@ -325,26 +327,27 @@ def test_ladder_picks_smaller_predictor_for_sparser_layer(tmp_path):
 
 def test_fold_thresholds_keeps_decisions():
     rng = np.random.default_rng(0)
-    preds = [P.LayerPredictor(rng.standard_normal((8, 16)).astype(np.float16),
-                              rng.standard_normal((32, 8)).astype(np.float16), t) for t in (0.5, 2.0, 1.0)]
+    g = torch.Generator().manual_seed(0)
+    preds = [Predictor(torch.randn(8, 16, generator=g).half(), torch.randn(32, 8, generator=g).half(), t)
+             for t in (0.5, 2.0, 1.0)]
     x = torch.from_numpy(rng.standard_normal((200, 16)).astype(np.float32))
     before = [p.scores(x) >= p.threshold for p in preds]
-    T = P.fold_thresholds(preds)
+    T = predictor_training.fold_thresholds(preds)
     assert T == 1.0 and all(p.threshold == 1.0 for p in preds)
     for p, b in zip(preds, before, strict=True):
         assert (p.scores(x) >= T).eq(b).float().mean() > 0.995  # float16 rounding of the rescaled fc2 only
-    mixed = [P.LayerPredictor(preds[0].fc1, preds[0].fc2, t) for t in (-1.0, 1.0)]
-    assert P.fold_thresholds(mixed) is None and [p.threshold for p in mixed] == [-1.0, 1.0]
+    mixed = [Predictor(preds[0].fc1, preds[0].fc2, t) for t in (-1.0, 1.0)]
+    assert predictor_training.fold_thresholds(mixed) is None and [p.threshold for p in mixed] == [-1.0, 1.0]
 
 
 def test_per_layer_thresholds_when_signs_differ(relu_model, tmp_path):
     from formats.writer import rewrite_gguf
 
-    rng = np.random.default_rng(0)
-    preds = [P.LayerPredictor(rng.standard_normal((8, 64)).astype(np.float16),
-                              rng.standard_normal((256, 8)).astype(np.float16), t) for t in (-0.5, 0.25)]
-    assert P.fold_thresholds(preds) is None
-    meta, tensors, drop = P.predictor_entries(preds, None, "relu", "pi-profile")
+    g = torch.Generator().manual_seed(0)
+    preds = [Predictor(torch.randn(8, 64, generator=g).half(), torch.randn(256, 8, generator=g).half(), t)
+             for t in (-0.5, 0.25)]
+    assert predictor_training.fold_thresholds(preds) is None
+    meta, tensors, drop = profile_store.predictor_entries(preds, None, "relu", "pi-profile")
     out = tmp_path / "m.gguf"
     rewrite_gguf(open_gguf(relu_model), out, set_metadata=meta, set_tensors=tensors, drop_keys=drop, progress=False)
     loaded = load_predictors(open_gguf(out), 2)

@@ -7,11 +7,10 @@ converter does (pieces, scores, token types), and compares our ids with sentence
 
 import numpy as np
 import pytest
+import sentencepiece as spm  # the test extra: a missing reference is a failure, not a skip
 
 from formats import constants as C
 from formats.tokenizer import load_tokenizer
-
-spm = pytest.importorskip("sentencepiece")
 
 TEXTS = [
     "Hello world",
@@ -27,7 +26,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
-    from runtime.profile import builtin_corpus
+    from runtime.corpus import builtin_corpus
 
     d = tmp_path_factory.mktemp("spm")
     text = "\n".join(p.read_text(encoding="utf-8") for p in builtin_corpus())

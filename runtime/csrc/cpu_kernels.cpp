@@ -4,11 +4,11 @@
 //   predict_active   PowerInfer's predictor for one token, straight to the active neurons' indices
 //   rms_norm, attend_decode   the small ops of a decode step, one call each instead of a dozen torch dispatches
 //
-// FFN layout (runtime/sparse_ffn.py, pack_ffn): gate_up [n_ff, 2, d] (neuron i's gate row, then its up row) and
+// FFN layout (runtime/sparse_ops.py, pack_ffn): gate_up [n_ff, 2, d] (neuron i's gate row, then its up row) and
 // down_t [n_ff, d] (row i = neuron i's output column). One index list addresses all three matrices.
 //
 // Why kernels of our own: torch's row-gather kernels (sampled_addmm, embedding_bag) read one row at a time per
-// thread and reach 12-16 GB/s on this access pattern against 21-26 GB/s for a dense GEMV (benchmarks/sparse_ffn.py).
+// thread and reach 12-16 GB/s on this access pattern against 21-26 GB/s for a dense GEMV (benchmarks/sparse_ops.py).
 // A DRAM stream needs several rows in flight per core: here each thread walks NB neurons at once, so NB rows stream
 // side by side, which the hardware prefetchers follow like a dense GEMV's rows (measured: 23-25 GB/s).
 //

@@ -1,12 +1,12 @@
 """Sparse vs dense FFN on the CPU, side by side in one process.
 
-    python benchmarks/sparse_ffn.py                      # Llama-7B layer, fp32, 2 threads, 10/20/50% active
-    python benchmarks/sparse_ffn.py --dtype f32,bf16     # also half precision
-    python benchmarks/sparse_ffn.py --layouts            # packed layout vs the file's separate matrices
-    python benchmarks/sparse_ffn.py --prefill            # break-even union density per token count
-    python benchmarks/sparse_ffn.py --json
+    python benchmarks/sparse_ops.py                      # Llama-7B layer, fp32, 2 threads, 10/20/50% active
+    python benchmarks/sparse_ops.py --dtype f32,bf16     # also half precision
+    python benchmarks/sparse_ops.py --layouts            # packed layout vs the file's separate matrices
+    python benchmarks/sparse_ops.py --prefill            # break-even union density per token count
+    python benchmarks/sparse_ops.py --json
 
-Cases: "sparse" = runtime.sparse_ffn.ffn_sparse as pi-run uses it (the C++ kernel when it builds), "torch" = the same
+Cases: "sparse" = runtime.sparse_ops.ffn_sparse as pi-run uses it (the C++ kernel when it builds), "torch" = the same
 call with torch's own kernels (use_kernels=False), "dense" = ffn_dense (MKL GEMVs).
 
 Method: several copies of the layer are allocated so that together they exceed the L3 cache (300 MiB) eight times,
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime import sparse_ffn as S  # noqa: E402
+from runtime import sparse_ops as S  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 L3_BYTES = 300 << 20
@@ -338,7 +338,7 @@ def main() -> int:
             print(f"T={row['T']:>3} density {row['density']:.0%}: kernel {row['kernel_over_gather']}, "
                   f"sddmm {row['sddmm_over_gather']}")
     if "prefill" in result:
-        print("\nprefill: sparse speed-up over dense by union density; break-even density vs the rule in sparse_ffn")
+        print("\nprefill: sparse speed-up over dense by union density; break-even density vs the rule in sparse_ops")
         dens = list(result["prefill"][0]["speedups"])
         print(f"{'T':>4} {'dense ms':>9} " + " ".join(f"{d:>5}" for d in dens) + "  break-even  rule")
         for row in result["prefill"]:

@@ -1,6 +1,6 @@
 """Sparse FFN operators for the CPU: compute only the neurons in an index set, reading their weights in place.
 
-Layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ffn.py --layouts):
+Layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ops.py --layouts):
 - gate_up [n_ff, 2, d]: neuron i's gate row and up row side by side, so one index list addresses both and a neuron's
   input weights are one 2*d run of memory; the dense path reads the same tensor as one [2*n_ff, d] GEMM.
 - down_t [n_ff, d]: PowerInfer's ffn_down_t, row i = neuron i's output column; the same index list selects it.
@@ -26,7 +26,7 @@ compute-efficient.
 measured rule `sparse_pays(T, n_active, n_ff)`. Everything here is exact: for any index set the result equals the
 dense FFN with the other neurons zeroed.
 
-Measured (benchmarks/sparse_ffn.py, Llama-7B layer, fp32, 2 threads, random 10% of neurons): dense 25.8 ms (21 GB/s,
+Measured (benchmarks/sparse_ops.py, Llama-7B layer, fp32, 2 threads, random 10% of neurons): dense 25.8 ms (21 GB/s,
 MKL GEMV); the C++ kernel 2.8 ms (9.2x, 19 GB/s; 10x is the bytes bound), torch's kernels 4.2 ms (6.2x, 13 GB/s).
 torch's row-gather kernels read one row at a time per thread with no lookahead; the kernel keeps 8 row streams in
 flight per thread, as a dense GEMV does. Also tried with torch alone and slower: index_select(out=) + GEMV (9 GB/s),
@@ -52,17 +52,17 @@ ACTIVATIONS = ("silu", "relu", "drelu")
 ACT_CODES = {"silu": 0, "relu": 1, "drelu": 2}  # the act argument of torch.ops.pinfer.ffn_sparse_rows
 
 # Tokens from which the sparse path gathers rows once and runs GEMMs instead of per-token SDDMM/axpy passes. Measured
-# (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads): SDDMM/gather time = 1.17 (T=2, 10% dense) / 0.76 (30%),
+# (benchmarks/sparse_ops.py --prefill, 1B shape, 2 threads): SDDMM/gather time = 1.17 (T=2, 10% dense) / 0.76 (30%),
 # 1.51 / 1.14 at T=3, 1.44-1.79 / 1.01-1.41 for T=4..8.
 GATHER_MIN_T = 3
 # Tokens up to which the C++ kernel (runtime/csrc/cpu_kernels.cpp) runs, when it is built (fp32 only). Measured
-# (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads): kernel time / gather+GEMM time = 0.41 / 0.34 at T = 1
+# (benchmarks/sparse_ops.py --prefill, 1B shape, 2 threads): kernel time / gather+GEMM time = 0.41 / 0.34 at T = 1
 # (10% / 30% of neurons), 0.51 / 0.46 at T = 8, 0.68 / 0.66 at 16, 0.82 / 0.86 at 24, 1.01 / 1.02 at 32, 1.44 at 64:
 # it reads each row once and re-reads it from cache per token, which is compute-bound past ~30 tokens.
 KERNEL_MAX_T = 24
 SDDMM_DTYPES = (torch.float32, torch.float64)  # dtypes torch.sparse.sampled_addmm supports on the CPU
 # Largest union density at which ffn_sparse still beats ffn_dense, by token count: the measured break-even
-# (benchmarks/sparse_ffn.py --prefill, 1B shape, 2 threads) less a 0.05 margin, since sparse that barely wins is not
+# (benchmarks/sparse_ops.py --prefill, 1B shape, 2 threads) less a 0.05 margin, since sparse that barely wins is not
 # worth the risk. Linear in T between entries. With the C++ kernel the break-even was >= 0.9 (the grid's end) for
 # T <= 8 (MKL's GEMM is slow for a few rows), then 0.73, 0.66, 0.58, 0.64, 0.76 at T = 16, 24, 32, 64, 128.
 SPARSE_MAX_DENSITY = ((1, 0.85), (8, 0.85), (16, 0.68), (24, 0.61), (32, 0.53), (64, 0.59), (128, 0.71))

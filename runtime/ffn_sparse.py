@@ -7,7 +7,7 @@ Three ways to decide (a "masker" maps (normed x, pre-norm residual) -> bool [T, 
 - CATS thresholds for SwiGLU models: active iff |silu(gate)| > the layer's threshold (written by
   pi-profile --sparsity S); exact with --oracle-masks, predicted with --sparse.
 
-Masks are per token. For one token the FFN runs on its own active set (runtime.sparse_ffn.ffn_sparse). For several
+Masks are per token. For one token the FFN runs on its own active set (runtime.sparse_ops.ffn_sparse). For several
 tokens (prefill, perplexity) it runs on the union of their sets and then zeroes each token's inactive neurons, so a
 token's result never depends on which other tokens share its batch.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .predictor import Predictor
-from .sparse_ffn import FFNWeights, ffn_exact_relu, ffn_masked, ffn_sparse
+from .sparse_ops import FFNWeights, ffn_exact_relu, ffn_masked, ffn_sparse
 
 
 def gate_up_all(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from formats.errors import PinferError
 from runtime import cpu_kernels
-from runtime import sparse_ffn as S
+from runtime import sparse_ops as S
 
 N_FF, D = 320, 96
 

@@ -46,19 +46,17 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-import typer
-from rich.console import Console
-from rich.table import Table
 
-from . import constants as C
-from .errors import PinferError, report
-from .reader import GGUFFile, open_gguf
-from .writer import write_gguf
+from formats import constants as C
+from formats.errors import PinferError
+from formats.model_writer import bytes_to_unicode
+from formats.reader import open_gguf
+from formats.writer import write_gguf
+
+from .reference import activate, attention_heads, rms_norm
 
 VARIANTS = {"relu": "llama", "drelu": "bamboo"}  # FFN activation -> architecture written
 DTYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1)}  # -> (storage dtype, general.file_type)
@@ -183,57 +181,6 @@ def planted_frequencies(spec: SynthSpec) -> np.ndarray:
     return np.stack([rng.permutation(profile) for _ in range(spec.n_layer)]).astype(np.float32)
 
 
-# --- a compact Llama forward (shared by calibration and the golden reference) ---------------------------------------
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary embedding as llama.cpp's mode 0 applies it to GGUF weights: pairs are adjacent elements (2i, 2i+1).
-
-    x: (B, S, H, hd); pos: (S,)."""
-    hd = x.shape[-1]
-    inv = base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
-    ang = pos.to(torch.float64)[:, None] * inv[None, :]  # (S, hd/2)
-    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]  # (S, 1, hd/2)
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-
-def attention_heads(xn: torch.Tensor, wq, wk, wv, n_head: int, n_head_kv: int, base: float) -> torch.Tensor:
-    """Causal GQA self-attention over whole sequences, before the output projection: (B, S, n_head * hd).
-    xn: (B, S, d) normalised input; weights in GGUF numpy shape."""
-    B, S, _ = xn.shape
-    hd = wq.shape[0] // n_head
-    pos = torch.arange(S)
-    q = rope((xn @ wq.T).view(B, S, n_head, hd), pos, base).transpose(1, 2)  # (B, nh, S, hd)
-    k = rope((xn @ wk.T).view(B, S, n_head_kv, hd), pos, base).transpose(1, 2)  # (B, nkv, S, hd)
-    v = (xn @ wv.T).view(B, S, n_head_kv, hd).transpose(1, 2)
-    if n_head != n_head_kv:  # query head h reads kv head h // (n_head / n_head_kv)
-        k = k.repeat_interleave(n_head // n_head_kv, dim=1)
-        v = v.repeat_interleave(n_head // n_head_kv, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, S, hd)
-    return o.transpose(1, 2).reshape(B, S, n_head * hd)
-
-
-def attention(xn: torch.Tensor, wq, wk, wv, wo, n_head: int, n_head_kv: int, base: float) -> torch.Tensor:
-    return attention_heads(xn, wq, wk, wv, n_head, n_head_kv, base) @ wo.T
-
-
-def ffn_hidden(xn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    """The FFN's hidden activations h (..., n_ff); the FFN output is h @ down_t."""
-    return activate(xn @ gate.T, xn @ up.T, act)
-
-
-def activate(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "relu":
-        return F.relu(g) * u
-    if act == "drelu":
-        return F.relu(g) * F.relu(u)
-    return F.silu(g) * u
-
-
 # --- generation ----------------------------------------------------------------------------------------------------
 
 def _smollm2_path() -> Path | None:
@@ -251,14 +198,8 @@ def _smollm2_path() -> Path | None:
 def byte_vocabulary(vocab_size: int | None = None) -> tuple[dict, dict]:
     """A byte-level BPE vocabulary (GPT-2's byte-to-unicode symbols, no merges) plus <|endoftext|> as BOS/EOS,
     padded with unused tokens to vocab_size. Returns (metadata, value_types)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, extra = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    byte_tokens = [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+    b2u = bytes_to_unicode()
+    byte_tokens = [b2u[b] for b in range(256)]
     tokens = byte_tokens + ["<|endoftext|>"]
     types = [C.TOKEN_TYPE_NORMAL] * 256 + [C.TOKEN_TYPE_CONTROL]
     n = len(tokens) if vocab_size is None else vocab_size
@@ -473,133 +414,3 @@ def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthRe
     timings["write"] = time.perf_counter() - t
     n_params = sum(int(np.prod(a.shape)) for a in tensors.values())
     return SynthResult(Path(path), spec, target, calib, top1, time.perf_counter() - t0, n_params, timings)
-
-
-# --- reading a synth model back: the golden reference forward -------------------------------------------------------
-
-def target_frequencies(f: GGUFFile) -> np.ndarray:
-    """[n_layer, n_ff] planted frequencies stored in a synth model's metadata."""
-    n_layer = int(f.arch_get(C.BLOCK_COUNT))
-    key = C.tensor(C.SYNTH_TARGET_FREQ, 0)
-    if key not in f.metadata:
-        raise PinferError(f"{f.path}: no planted frequencies ({key}); not a model written by formats.synth")
-    return np.stack([np.asarray(f.metadata[C.tensor(C.SYNTH_TARGET_FREQ, i)], dtype=np.float32)
-                     for i in range(n_layer)])
-
-
-def _w(f: GGUFFile, name: str) -> torch.Tensor:
-    a = f.raw(name)
-    if a.dtype not in (np.float32, np.float16):
-        raise PinferError(f"{f.path}: tensor '{name}' is {f.info(name).type_name}; the reference forward reads "
-                          f"F32/F16 only")
-    return torch.from_numpy(np.asarray(a, dtype=np.float32))
-
-
-@torch.no_grad()
-def reference_forward(f: GGUFFile | str | os.PathLike, ids, *, collect_activity: bool = False):
-    """Logits (T, vocab) as float32 numpy for one sequence of token ids, computed in float32 from the file's
-    weights. With collect_activity, also returns a bool tensor (n_layer, T, n_ff): which neurons fired."""
-    from .config import config_from_gguf
-
-    f = f if isinstance(f, GGUFFile) else open_gguf(f)
-    cfg = config_from_gguf(f)
-    ids = torch.as_tensor(np.asarray(ids, dtype=np.int64)).view(1, -1)
-    x = _w(f, C.TOKEN_EMBD)[ids]  # (1, T, d)
-    active = []
-    for bid in range(cfg.n_layer):
-        w = lambda tpl: _w(f, C.tensor(tpl, bid))  # noqa: B023, E731
-        xn = rms_norm(x, w(C.ATTN_NORM), cfg.norm_eps)
-        x = x + attention(xn, w(C.ATTN_Q), w(C.ATTN_K), w(C.ATTN_V), w(C.ATTN_OUT), cfg.n_head, cfg.n_head_kv,
-                          cfg.rope_base)
-        xn = rms_norm(x, w(C.FFN_NORM), cfg.norm_eps)
-        h = ffn_hidden(xn, w(C.FFN_GATE), w(C.FFN_UP), cfg.ffn_act)
-        if collect_activity:
-            active.append(h[0] != 0)
-        down_t = w(C.FFN_DOWN_T) if cfg.down_transposed else w(C.FFN_DOWN).T
-        x = x + h @ down_t
-    out = _w(f, C.OUTPUT) if f.has(C.OUTPUT) else _w(f, C.TOKEN_EMBD)
-    logits = (rms_norm(x, _w(f, C.OUTPUT_NORM), cfg.norm_eps) @ out.T)[0].numpy()
-    return (logits, torch.stack(active)) if collect_activity else logits
-
-
-def measure_frequencies(f: GGUFFile | str | os.PathLike, n_tokens: int = 4096, seq_len: int = 128,
-                        seed: int = 12345) -> np.ndarray:
-    """[n_layer, n_ff] activation frequencies of the reference forward over fresh random token sequences."""
-    f = f if isinstance(f, GGUFFile) else open_gguf(f)
-    V = len(f.metadata[C.TOKENIZER_TOKENS])
-    g = torch.Generator().manual_seed(seed)
-    counts, total = None, 0
-    for _ in range(max(1, n_tokens // seq_len)):
-        ids = torch.randint(0, V, (seq_len,), generator=g)
-        _, act = reference_forward(f, ids, collect_activity=True)
-        c = act.sum(1).double()
-        counts = c if counts is None else counts + c
-        total += seq_len
-    return (counts / total).float().numpy()
-
-
-# --- CLI -------------------------------------------------------------------------------------------------------------
-
-app = typer.Typer(add_completion=False, help="Write a synthetic ReLU LLM with planted activation locality as a "
-                                             "PowerInfer GGUF.")
-
-
-@app.command()
-def cli(
-    out: Annotated[Path, typer.Argument(help="output .gguf path")],
-    preset: Annotated[str, typer.Option(help=f"base shape: {', '.join(PRESETS)}")] = "tiny",
-    n_layer: Annotated[int | None, typer.Option(help="layers (overrides the preset)")] = None,
-    n_embd: Annotated[int | None, typer.Option(help="embedding width")] = None,
-    n_ff: Annotated[int | None, typer.Option(help="FFN neurons per layer")] = None,
-    n_head: Annotated[int | None, typer.Option(help="attention heads")] = None,
-    n_head_kv: Annotated[int | None, typer.Option(help="key/value heads (GQA)")] = None,
-    vocab: Annotated[str, typer.Option(help="auto | smollm2 | bytes")] = "auto",
-    vocab_size: Annotated[int | None, typer.Option(help="pad the byte vocabulary to this size")] = None,
-    dtype: Annotated[str, typer.Option(help="f32 | f16")] = "f32",
-    sparsity: Annotated[float, typer.Option(help="planted mean fraction of inactive neurons")] = 0.9,
-    skew: Annotated[float, typer.Option(help="power-law exponent of neuron frequencies over rank")] = 1.0,
-    gate_rank: Annotated[int | None, typer.Option(help="rank of the gate rows' shared subspace (default n_embd/32; "
-                                                  "0: isotropic)")] = None,
-    gate_noise: Annotated[float, typer.Option(help="share of gate-row variance outside that subspace")] = 0.1,
-    variant: Annotated[str, typer.Option(help="relu (ReGLU, arch llama) | drelu (arch bamboo)")] = "relu",
-    seed: Annotated[int, typer.Option(help="random seed")] = 0,
-    calib_tokens: Annotated[int, typer.Option(help="calibration tokens per layer")] = 2048,
-    logit_std: Annotated[float, typer.Option(help="std of the logits across the vocabulary")] = 6.5,
-    verbose: Annotated[bool, typer.Option(help="tracebacks on errors")] = False,
-):
-    console = Console(stderr=True)
-    try:
-        if preset not in PRESETS:
-            raise PinferError(f"synth: unknown preset '{preset}' (one of {', '.join(PRESETS)})")
-        base = dict(zip(("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv"), PRESETS[preset], strict=True))
-        given = dict(n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv)
-        base.update({k: v for k, v in given.items() if v is not None})
-        if n_head is not None and n_head_kv is None:
-            base["n_head_kv"] = n_head
-        spec = SynthSpec(**base, vocab=vocab, vocab_size=vocab_size, dtype=dtype, sparsity=sparsity, skew=skew,
-                         gate_rank=gate_rank, gate_noise=gate_noise,
-                         variant=variant, seed=seed, calib_tokens=calib_tokens, logit_std=logit_std)
-        res = generate(out, spec, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
-    except BaseException as e:  # noqa: BLE001
-        raise typer.Exit(report(e, verbose, prog="synth")) from None
-    table = Table(title=f"{res.path} ({res.n_params / 1e6:.1f}M parameters, {spec.dtype}, "
-                        f"{res.seconds:.1f} s)")
-    for col in ("layer", "target sparsity", "calibration sparsity", "corr(target, calib)"):
-        table.add_column(col, justify="right")
-    for i in range(spec.n_layer):
-        corr = np.corrcoef(res.target_freq[i], res.calib_freq[i])[0, 1]
-        table.add_row(str(i), f"{1 - res.target_freq[i].mean():.3f}", f"{1 - res.calib_freq[i].mean():.3f}",
-                      f"{corr:.3f}")
-    Console().print(table)
-    Console().print(f"mean top-1 probability {res.top1_prob:.3f}; timings "
-                    + ", ".join(f"{k} {v:.1f}s" for k, v in res.timings.items()))
-
-
-
-def main():
-    app()
-
-
-if __name__ == "__main__":
-    main()
-

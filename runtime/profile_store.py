@@ -1,0 +1,80 @@
+"""What pi-profile stores in a model file: activation statistics and predictors, as metadata and tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from formats import constants as C
+from formats.config import ModelConfig
+from formats.errors import PinferError
+from formats.reader import GGUFFile
+
+from .predictor import Predictor
+from .profile import Profile
+
+PROFILE_KEYS = (C.ACT_TOKENS, C.ACT_CORPUS, C.ACT_DATE, C.ACT_RULE, C.CATS_THRESHOLD, C.CATS_SPARSITY)
+PREDICTOR_KEYS = (C.SPARSE_THRESHOLD, C.PRED_THRESHOLDS, C.PRED_RECALL, C.PRED_PRECISION, C.PRED_RECALL_TARGET,
+                  C.PRED_SOURCE)
+
+
+def profile_entries(prof: Profile, n_layer: int) -> tuple[dict, dict, list]:
+    """(metadata to set, tensors to set, keys to drop) for a profile."""
+    meta = {C.ACT_TOKENS: np.uint64(prof.tokens), C.ACT_CORPUS: prof.corpus, C.ACT_DATE: prof.date,
+            C.ACT_RULE: prof.rule.name, C.FFN_ACTIVATION: prof.rule.act}
+    drop = []
+    if prof.rule.thresholds is not None:
+        meta[C.CATS_THRESHOLD] = np.asarray(prof.rule.thresholds, dtype=np.float32)
+        meta[C.CATS_SPARSITY] = np.float32(prof.cats_sparsity)
+    else:
+        drop += [C.CATS_THRESHOLD, C.CATS_SPARSITY]
+    tensors = {C.tensor(C.ACT_COUNTS, i): prof.counts[i].astype(np.float32) for i in range(n_layer)}
+    if prof.peak is not None:
+        tensors.update({C.tensor(C.ACT_PEAK, i): prof.peak[i].astype(np.float32) for i in range(n_layer)})
+    return meta, tensors, drop
+
+
+def predictor_entries(preds: list[Predictor], threshold: float | None, act: str, source: str,
+                      recall_target: float | None = None) -> tuple[dict, dict, list]:
+    """(metadata, tensors, keys to drop) for predictors: fc1/fc2 per layer, the global threshold (or per-layer ones
+    when they cannot be folded into one), and the test statistics when known."""
+    tensors = {}
+    for i, p in enumerate(preds):
+        tensors[C.tensor(C.PRED_FC1, i)] = p.fc1.to(torch.float16).contiguous().numpy()
+        tensors[C.tensor(C.PRED_FC2, i)] = p.fc2.to(torch.float16).contiguous().numpy()
+    ts = np.array([p.threshold for p in preds], dtype=np.float32)
+    # a predictor in a llama file would otherwise make config.detect_ffn_activation read the file as ReLU
+    meta = {C.PRED_SOURCE: source, C.FFN_ACTIVATION: act}
+    drop = []
+    if threshold is not None:
+        meta[C.SPARSE_THRESHOLD] = np.float32(threshold)
+        drop.append(C.PRED_THRESHOLDS)
+    else:
+        meta[C.SPARSE_THRESHOLD] = np.float32(np.median(ts))
+        meta[C.PRED_THRESHOLDS] = ts
+    stats = np.array([[p.recall, p.precision] for p in preds], dtype=np.float32)
+    if recall_target is not None and np.isfinite(stats).all():
+        meta[C.PRED_RECALL] = stats[:, 0].copy()
+        meta[C.PRED_PRECISION] = stats[:, 1].copy()
+        meta[C.PRED_RECALL_TARGET] = np.float32(recall_target)
+    else:
+        drop += [C.PRED_RECALL, C.PRED_PRECISION, C.PRED_RECALL_TARGET]
+    return meta, tensors, drop
+
+
+def stored_counts(f: GGUFFile, cfg: ModelConfig) -> tuple[np.ndarray, int]:
+    """([n_layer, n_ff] counts, tokens) of the statistics stored in a file."""
+    if not f.has(C.tensor(C.ACT_COUNTS, 0)) or C.ACT_TOKENS not in f.metadata:
+        raise PinferError(f"{f.path}: no activation statistics; run pi-profile on it first")
+    counts = np.stack([np.asarray(f.raw(C.tensor(C.ACT_COUNTS, i)), dtype=np.float64) for i in range(cfg.n_layer)])
+    return counts, int(f.get(C.ACT_TOKENS))
+
+
+def check_ffn_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Profiling needs a llama-family FFN: gate, up and down (or PowerInfer's down_t) in every layer."""
+    down = C.FFN_DOWN_T if cfg.down_transposed else C.FFN_DOWN
+    for i in range(cfg.n_layer):
+        for t in (C.FFN_GATE, C.FFN_UP, down):
+            if not f.has(C.tensor(t, i)):
+                raise PinferError(f"{f.path}: layer {i} has no {C.tensor(t, i)}; pi-profile understands only "
+                                  f"llama-family FFNs (gate, up, down: SwiGLU, ReGLU, dReLU)")
