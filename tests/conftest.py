@@ -1,10 +1,15 @@
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(2)
+# Tests never write into the real ~/.cache: the C++ kernels (and pi-plan's measurements) go to one stable temporary
+# cache, so the suite builds the kernels once across runs.
+os.environ.setdefault("PINFER_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"pinfer-test-cache-{os.getuid()}"))
 
 
 def smollm2_path() -> Path | None:
