@@ -31,7 +31,7 @@ Compute
       y = x W^T (+ bias) (relu) (+ out when accumulate). T <= 8 per launch streams W once; T >= 32 dequantises
       tiles of W and uses cuBLAS.
   dequant_rows(W, idx=None, dtype=f32|f16) -> [n, cols]            rows idx (int32 device array) or all, decoded
-  ffn_up(ffn, x[T, d], *, scores=None, threshold=0.0, cats=None) -> h[T, k]
+  ffn_up(ffn, x[T, d], *, scores=None, threshold=0.0, cats=None, out=None) -> h[T, k]
       the GPU rows' activations. scores: fp32 [T, n_ff] (or [n_ff] for T = 1) indexed by ORIGINAL neuron id, row j
       active for token t iff scores[t, bucket[j]] >= threshold; None = all active. h = 0 for inactive rows, and for
       rows whose activation is exactly 0. cats: SwiGLU's CATS threshold (h = 0 where |silu(g)| <= cats).

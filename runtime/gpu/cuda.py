@@ -58,9 +58,9 @@ class CudaDevice:
         self.sm_count = int(self.device.attributes["MultiProcessorCount"])
         self.name = f"cuda:{device_id} ({self.sm_count} SMs, compute capability {self.device.compute_capability})"
         self._modules: dict[str, object] = {}
-        # Grid shapes: None picks by the rules in _up_rows_per_warp / _down_rows_per_warp; benchmarks/gpu_check.py
-        # sweeps them on a real GPU.
-        self.up_rows_per_warp: int | None = None
+        # Grid shapes: None picks by the rules in _up_group / _down_rows_per_warp; benchmarks/gpu_check.py sweeps
+        # them on a real GPU.
+        self.up_group: int | None = None
         self.down_rows_per_warp: int | None = None
         self.attn_chunk = 256
 
@@ -188,22 +188,24 @@ class CudaDevice:
         return out
 
     # ---- sparse FFN
-    def ffn_up(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None):
+    def ffn_up(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
         """h[T, k]: the activations of the GPU rows; 0 where a token's score (original neuron ids) < threshold."""
         T = x.shape[0]
         _check(x, (T, ffn.d), "x")
         if scores is not None:
             _check(scores, (T, ffn.n_ff) if scores.ndim == 2 else (ffn.n_ff,), "scores")
             scores = scores.reshape(T, ffn.n_ff)
-        h = self.empty((T, ffn.k))
+        h = self.empty((T, ffn.k)) if out is None else out
+        _check(h, (T, ffn.k), "out")
         if ffn.k == 0:
             return h
-        g = self.up_rows_per_warp or self._up_rows_per_warp(ffn.k)
-        warps = -(-ffn.k // g)
+        g = self.up_group or self._up_group(ffn.k)
+        nb = ffn.d // 32
+        warps = min(6, nb // 32 + (nb % 32 > 0))  # a tile per warp (Llama widths: 4 to 8 tiles); 192 threads
         name = layout.NAMES[ffn.up.ty]
         for t0 in range(0, T, MAX_T):
             n = min(MAX_T, T - t0)
-            self._launch("sparse_ffn", f"sparse_up_{name}_t{1 if n == 1 else MAX_T}", (-(-warps // 4),), (128,),
+            self._launch("sparse_ffn", f"sparse_up_{name}_t{1 if n == 1 else MAX_T}", (-(-ffn.k // g),), (32 * warps,),
                          (_ptr(None if ffn.gate is None else ffn.gate.data), ffn.up.data, np.int64(ffn.up.stride),
                           _i32(ffn.d), ffn.bucket, _i32(ffn.k), _ptr(None if scores is None else scores[t0:t0 + n]),
                           _i32(ffn.n_ff), np.float32(threshold), _ptr(ffn.bias), _i32(ffn.act),
@@ -234,9 +236,9 @@ class CudaDevice:
             out = self.zeros((x.shape[0], ffn.d))
         return self.ffn_down(ffn, self.ffn_up(ffn, x, scores=scores, threshold=threshold, cats=cats), out)
 
-    def _up_rows_per_warp(self, k: int) -> int:
-        # Enough warps to fill the GPU (8 per SM) before rows per warp drop below 8 (a ballot's worth of work).
-        return max(8, min(32, -(-k // (8 * self.sm_count))))
+    def _up_group(self, k: int) -> int:
+        # Candidate rows per block: about 4 blocks per SM, 8 to 32 rows (one ballot) each.
+        return max(8, min(32, -(-k // (4 * self.sm_count))))
 
     def _down_rows_per_warp(self, k: int, units: int) -> int:
         # About two blocks per SM: each block adds its unit to y once (4 KB of atomics per token), so fewer, fuller
@@ -320,7 +322,7 @@ class CudaDevice:
 def _rows_per_pass(ty: int, tm: int) -> int:
     """quant.cuh's Rows<Q, TM>::R: rows a warp of gemv reads side by side."""
     r = {layout.Q4_0: 4, layout.Q4_1: 4, layout.Q8_0: 2, layout.F16: 2, layout.BF16: 2, layout.F32: 1}[ty]
-    return r if tm == 1 else (r + 1) // 2
+    return r if tm == 1 else 1
 
 
 def _check(a, shape, what: str) -> None:

@@ -106,7 +106,8 @@ class ReferenceDevice:
         return rows.to(torch.float16 if np.dtype(dtype) == np.float16 else torch.float32)
 
     # ---- sparse FFN
-    def ffn_up(self, ffn: FFNRows, x: torch.Tensor, *, scores=None, threshold=0.0, cats=None) -> torch.Tensor:
+    def ffn_up(self, ffn: FFNRows, x: torch.Tensor, *, scores=None, threshold=0.0, cats=None,
+               out=None) -> torch.Tensor:
         x = x.to(self.dtype)
         u = x @ ffn.up.data.T  # [T, k]
         if ffn.act in GATED:
@@ -126,7 +127,7 @@ class ReferenceDevice:
         if scores is not None:
             sel = scores.reshape(x.shape[0], -1)[:, ffn.bucket.long()] >= threshold
             h = torch.where(sel, h, 0)
-        return h.float()
+        return self._out(h, out)
 
     def ffn_down(self, ffn: FFNRows, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         out += (h.to(self.dtype) @ ffn.down.data).float()

@@ -69,6 +69,7 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
 // PTX prmt (default mode): byte i of the result is byte (s >> 4i) & 7 of the 8 bytes {y:x}.
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const uint64_t v = ((uint64_t)y << 32) | x;

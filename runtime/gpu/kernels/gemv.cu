@@ -28,7 +28,7 @@ __device__ __forceinline__ void gemv(const u8* __restrict__ w, i64 stride, int c
       rp[r] = w + (i64)(live[r] ? r0 + r : r0) * stride;
     }
     float acc[R][TM];
-    dot_rows<Q, R, TM>(acc, rp, live, cols, x, T, lane);
+    dot_rows<Q, R, TM, TM == 1>(acc, rp, live, cols, x, T, lane);  // pipelined for decode
     if (lane == 0) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -86,7 +86,7 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ w, i64 stride, in
 }
 
 #define GEMV_ENTRY(sfx, Q, TM)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_t##TM(                                           \
+  extern "C" __global__ void __launch_bounds__(128, 3) gemv_##sfx##_t##TM(                                           \
       const u8* __restrict__ w, i64 stride, int cols, int rows, const float* __restrict__ x, int T,                 \
       float* __restrict__ y, const float* __restrict__ bias, int accumulate, int act) {                             \
     gemv<Q, TM>(w, stride, cols, rows, x, T, y, bias, accumulate, act);                                             \

@@ -70,9 +70,13 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 #endif
 }
 
-__device__ __forceinline__ uint4 ld16(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// Weights (and the KV cache) stream through once: ld.global.cg keeps them in L2 only, so they do not evict x from
+// L1, where every warp of the SM re-reads it (measured on an H200: with weights through L1, a 4-token F16 GEMV ran at
+// 1.2 TB/s, x being re-fetched from L2; x's bytes are 2x (F16) to 8x (Q4_0, T = 1) the weights').
+__device__ __forceinline__ uint4 ld16(const u8* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ u32 ld_u16(const u8* p) { return __ldcg(reinterpret_cast<const u16*>(p)); }
+// Activations: read-only path, cached in L1.
 __device__ __forceinline__ float4 ldf4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
-__device__ __forceinline__ u32 ld_u16(const u8* p) { return __ldg(reinterpret_cast<const u16*>(p)); }
 
 // j is a compile-time constant wherever these are called (unrolled loops), so they fold to a register pick.
 __device__ __forceinline__ u32 word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
@@ -206,9 +210,10 @@ struct TF32 {
   }
 };
 
-// Rows side by side for TM tokens: with 8 tokens the accumulators take the registers that extra rows would.
+// Rows side by side for TM tokens: with 8 tokens the accumulators take the registers that extra rows would (and
+// each fragment already serves 8 tokens' x).
 template <class Q, int TM>
-struct Rows { static constexpr int R = TM > 1 ? (Q::R + 1) / 2 : Q::R; };
+struct Rows { static constexpr int R = TM > 1 ? 1 : Q::R; };
 
 // Every weight-reading kernel is instantiated once per type through this list (entry names end in the suffix).
 #define PINFER_FOR_TYPES(X) X(f32, TF32) X(f16, TF16) X(bf16, TBF16) X(q4_0, TQ4_0) X(q4_1, TQ4_1) X(q8_0, TQ8_0)
@@ -237,29 +242,44 @@ __device__ __forceinline__ void dot_unit(float (&acc)[R][TM], const typename Q::
   }
 }
 
-// Dot products of R rows (device layout) with T <= TM tokens of x [T, cols]; the sums end in every lane. A row
-// with live[r] false is never read (its loads are predicated off) and sums to 0. Tiles are double-buffered: the
-// next tile's loads are issued before this tile's arithmetic, so each warp keeps 2*R fragments in flight.
-template <class Q, int R, int TM>
+// Dot products of R rows (device layout) with T <= TM tokens of x [T, cols], over the units u0, u0 + ustep, ...
+// (unit = a tile; unit ntile = the tail), so that several warps can share a row; the sums (of those units) end in
+// every lane. A row with live[r] false is never read (its loads are predicated off) and sums to 0. PIPE: the next
+// tile's loads are issued before this tile's arithmetic (for a warp that walks a whole row: gemv); without it a
+// warp holds one tile per row in registers (sparse_up, where the block's warps take one tile each).
+template <class Q, int R, int TM, bool PIPE>
 __device__ __forceinline__ void dot_rows(float (&acc)[R][TM], const u8* const (&rows)[R], const bool (&live)[R],
-                                         int cols, const float* __restrict__ x, int T, int lane) {
+                                         int cols, const float* __restrict__ x, int T, int lane, int u0 = 0,
+                                         int ustep = 1) {
   const int nb = cols >> 5, ntile = nb >> 5, ntail = nb & 31;
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int t = 0; t < TM; ++t) acc[r][t] = 0.f;
-  typename Q::Frag cur[R], nxt[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) cur[r] = (live[r] && ntile > 0) ? Q::tile(rows[r], lane) : typename Q::Frag{};
-  for (int i = 0; i < ntile; ++i) {
+  typename Q::Frag cur[R];
+  if (PIPE) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      nxt[r] = (live[r] && i + 1 < ntile) ? Q::tile(rows[r] + (i64)(i + 1) * Q::TILE, lane) : typename Q::Frag{};
-    dot_unit<Q, R, TM>(acc, cur, x + i * TILE_VALUES + 4 * lane, 128, cols, T);
-#pragma unroll
-    for (int r = 0; r < R; ++r) cur[r] = nxt[r];
+      cur[r] = (live[r] && u0 < ntile) ? Q::tile(rows[r] + (i64)u0 * Q::TILE, lane) : typename Q::Frag{};
   }
-  if (lane < ntail) {
+  for (int i = u0; i < ntile; i += ustep) {
+    if (PIPE) {
+      typename Q::Frag nxt[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        nxt[r] = (live[r] && i + ustep < ntile) ? Q::tile(rows[r] + (i64)(i + ustep) * Q::TILE, lane)
+                                                : typename Q::Frag{};
+      dot_unit<Q, R, TM>(acc, cur, x + i * TILE_VALUES + 4 * lane, 128, cols, T);
+#pragma unroll
+      for (int r = 0; r < R; ++r) cur[r] = nxt[r];
+    } else {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        cur[r] = live[r] ? Q::tile(rows[r] + (i64)i * Q::TILE, lane) : typename Q::Frag{};
+      dot_unit<Q, R, TM>(acc, cur, x + i * TILE_VALUES + 4 * lane, 128, cols, T);
+    }
+  }
+  if (ntail && ntile >= u0 && (ntile - u0) % ustep == 0 && lane < ntail) {  // this warp's share includes the tail
 #pragma unroll
     for (int r = 0; r < R; ++r)
       cur[r] = live[r] ? Q::tail(rows[r] + (i64)ntile * Q::TILE, ntail, lane) : typename Q::Frag{};

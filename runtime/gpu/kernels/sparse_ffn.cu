@@ -4,10 +4,11 @@
 // up [k, d] and down_t [k, d] (row j = neuron bucket[j]'s output column), gathered from the file in bucket order.
 //
 // Stage A, sparse_up_<type>_t<TM>: h[T, k] = act(gate . x, up . x) on the rows the predictor selects.
-//   A warp owns rows_per_warp (<= 32) consecutive GPU rows, one per lane: each lane reads its row's scores (indexed
-//   by the ORIGINAL neuron id bucket[j]; scores[t, :] per token), a ballot gives the warp the rows any token
-//   selects, and the warp streams them R at a time (quant.cuh dot_rows: one warp per row, R rows side by side,
-//   16-byte coalesced loads, tiles double-buffered). A row no token selects is never read.
+//   A block owns `group` (<= 32) consecutive GPU rows, one per lane: each lane reads its row's scores (indexed
+//   by the ORIGINAL neuron id bucket[j]; scores[t, :] per token), a ballot gives the rows any token selects, and
+//   the block streams them R at a time, its W warps splitting each row's 1024-wide tiles (quant.cuh dot_rows:
+//   16-byte coalesced loads, R rows side by side), partial sums added in shared memory. A row no token selects is
+//   never read.
 //   ReLU family (codes 1, 2) and SwiGLU with a CATS threshold: the gate rows are read first; a row whose
 //   activation is exactly zero for every selected token (gate <= 0; |silu(gate)| <= t) never has its up row read.
 //   Gate-less codes 3, 4 read only the up row (which plays the gate's role), h = relu/gelu(up . x + b).
@@ -23,7 +24,8 @@
 //   of the weight bytes when rows_per_warp is sized to the active rows (runtime/gpu/cuda.py picks the grid).
 //   Tokens are processed TT at a time (acc is 32 * TT registers); more tokens loop over the rows again, from L2.
 //
-// Launch: sparse_up: 128 threads per block, grid.x * 4 warps * rows_per_warp >= k (or fewer: warps stride).
+// Launch: sparse_up: 32 * W threads per block, W = min(6, tiles + tail) (a tile per warp), grid.x *
+//         group >= k (or fewer: blocks stride).
 //         sparse_down: 256 threads per block, grid = (ntile + (ntail > 0), ceil(k / (8 * rows_per_warp))).
 
 #include "quant.cuh"
@@ -52,23 +54,52 @@ __device__ __forceinline__ float activate(int act, float g, float u, float b, fl
   }
 }
 
+// Sum the W warps' partial dots of phase n (buffer n & 1) into tot. One barrier per phase is enough with two
+// buffers: a warp writes buffer b for phase n + 2 only after the barrier of phase n + 1, which every thread reaches
+// after reading phase n's buffer b.
+template <int R, int TM>
+__device__ __forceinline__ void block_reduce_rows(float (&tot)[R][TM], float (&part)[2][R][8][TM],
+                                                  const float (&mine)[R][TM], int& phase) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  float(&p)[R][8][TM] = part[phase & 1];
+  if (lane == 0)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < TM; ++t) p[r][w][t] = mine[r][t];
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+      float v = 0.f;
+      for (int i = 0; i < nw; ++i) v += p[r][i][t];  // fixed order: the result does not depend on timing
+      tot[r][t] = v;
+    }
+  ++phase;
+}
+
+// A block owns `group` (<= 32) candidate rows at a time; its W warps split each row's units (tiles, tail)
+// between them, so a row costs about one memory latency per phase however long it is, and the warps' partial sums
+// meet in shared memory. (One warp per row with a double-buffered tile loop paid one latency per tile: measured
+// 27 us for a 10% F16 Llama-13B layer on an H200.) Every warp evaluates the same candidates, so the loop over the
+// selected rows is uniform across the block.
 template <class Q, int TM>
 __device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8* __restrict__ up, i64 stride,
                                           int cols, const int* __restrict__ bucket, int k,
                                           const float* __restrict__ scores, int n_ff, float threshold,
                                           const float* __restrict__ bias, int act, float cats,
-                                          const float* __restrict__ x, int T, float* __restrict__ h,
-                                          int rows_per_warp) {
+                                          const float* __restrict__ x, int T, float* __restrict__ h, int group) {
   constexpr int R = Rows<Q, TM>::R;
-  const int lane = threadIdx.x & 31;
-  const int warp = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int nwarps = (int)((gridDim.x * blockDim.x) >> 5);
+  __shared__ float part[2][R][8][TM];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const bool gated = act <= ACT_DRELU;
   // SwiGLU without CATS has no zero activations: the gate cannot rule out the up row.
   const bool gate_first = gated && (act != ACT_SILU || cats >= 0.f);
-  for (int j0 = warp * rows_per_warp; j0 < k; j0 += nwarps * rows_per_warp) {
+  int phase = 0;
+  for (int j0 = blockIdx.x * group; j0 < k; j0 += gridDim.x * group) {
     const int j = j0 + lane;
-    const bool mine = lane < rows_per_warp && j < k;
+    const bool mine = lane < group && j < k;
     u32 on = 0;  // bit t: token t selects this lane's row
     if (mine) {
       if (scores) {
@@ -77,11 +108,11 @@ __device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8*
       } else {
         on = (1u << T) - 1u;
       }
-      if (!on)
+      if (!on && w == 0)
         for (int t = 0; t < T; ++t) h[(i64)t * k + j] = 0.f;
     }
     u32 todo = __ballot_sync(FULL_MASK, on != 0);
-    while (todo) {  // warp-uniform: todo is the same in every lane
+    while (todo) {  // block-uniform: todo is the same in every thread
       int li[R];
       bool live[R];
       const u8* grow[R];
@@ -97,10 +128,11 @@ __device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8*
         ron[r] = __shfl_sync(FULL_MASK, on, live[r] ? li[r] : 0);
         if (!live[r]) ron[r] = 0;
       }
-      float g[R][TM], u[R][TM];
+      float g[R][TM], u[R][TM], acc[R][TM];
       bool uplive[R];
       if (gated) {
-        dot_rows<Q, R, TM>(g, grow, live, cols, x, T, lane);
+        dot_rows<Q, R, TM, false>(acc, grow, live, cols, x, T, lane, w, nw);
+        block_reduce_rows<R, TM>(g, part, acc, phase);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           bool any = false;
@@ -116,8 +148,9 @@ __device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8*
           for (int t = 0; t < TM; ++t) g[r][t] = 0.f;
         }
       }
-      dot_rows<Q, R, TM>(u, urow, uplive, cols, x, T, lane);
-      if (lane == 0) {
+      dot_rows<Q, R, TM, false>(acc, urow, uplive, cols, x, T, lane, w, nw);
+      block_reduce_rows<R, TM>(u, part, acc, phase);
+      if (threadIdx.x == 0) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           if (!live[r]) continue;
@@ -233,15 +266,14 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
 }
 
 #define SPARSE_UP_ENTRY(sfx, Q, TM)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128) sparse_up_##sfx##_t##TM(                                       \
+  extern "C" __global__ void __launch_bounds__(192, 2) sparse_up_##sfx##_t##TM(                                       \
       const u8* __restrict__ gate, const u8* __restrict__ up, i64 stride, int cols, const int* __restrict__ bucket, \
       int k, const float* __restrict__ scores, int n_ff, float threshold, const float* __restrict__ bias, int act,  \
-      float cats, const float* __restrict__ x, int T, float* __restrict__ h, int rows_per_warp) {                   \
-    sparse_up<Q, TM>(gate, up, stride, cols, bucket, k, scores, n_ff, threshold, bias, act, cats, x, T, h,          \
-                     rows_per_warp);                                                                                 \
+      float cats, const float* __restrict__ x, int T, float* __restrict__ h, int group) {                           \
+    sparse_up<Q, TM>(gate, up, stride, cols, bucket, k, scores, n_ff, threshold, bias, act, cats, x, T, h, group);  \
   }
 #define SPARSE_DOWN_ENTRY(sfx, Q, TT)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) sparse_down_##sfx##_t##TT(                                      \
+  extern "C" __global__ void __launch_bounds__(256, 1) sparse_down_##sfx##_t##TT(                                      \
       const u8* __restrict__ w, i64 stride, int cols, const float* __restrict__ h, int k, int T,                     \
       float* __restrict__ y, int rows_per_warp) {                                                                   \
     sparse_down<Q, TT>(w, stride, cols, h, k, T, y, rows_per_warp);                                                 \
