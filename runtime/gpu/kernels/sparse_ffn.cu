@@ -57,19 +57,19 @@ __device__ __forceinline__ float activate(int act, float g, float u, float b, fl
 // Sum the W warps' partial dots of phase n (buffer n & 1) into tot. One barrier per phase is enough with two
 // buffers: a warp writes buffer b for phase n + 2 only after the barrier of phase n + 1, which every thread reaches
 // after reading phase n's buffer b.
-template <int R, int TM>
-__device__ __forceinline__ void block_reduce_rows(float (&tot)[R][TM], float (&part)[2][R][8][TM],
-                                                  const float (&mine)[R][TM], int& phase) {
+template <int N, int RP, int TM>
+__device__ __forceinline__ void block_reduce_rows(float (&tot)[N][TM], float (&part)[2][RP][8][TM],
+                                                  const float (&mine)[N][TM], int& phase) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  float(&p)[R][8][TM] = part[phase & 1];
+  float(&p)[RP][8][TM] = part[phase & 1];
   if (lane == 0)
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < N; ++r)
 #pragma unroll
       for (int t = 0; t < TM; ++t) p[r][w][t] = mine[r][t];
   __syncthreads();
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < N; ++r)
 #pragma unroll
     for (int t = 0; t < TM; ++t) {
       float v = 0.f;
@@ -91,7 +91,7 @@ __device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8*
                                           const float* __restrict__ bias, int act, float cats,
                                           const float* __restrict__ x, int T, float* __restrict__ h, int group) {
   constexpr int R = Rows<Q, TM>::R;
-  __shared__ float part[2][R][8][TM];
+  __shared__ float part[2][2 * R][8][TM];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const bool gated = act <= ACT_DRELU;
   // SwiGLU without CATS has no zero activations: the gate cannot rule out the up row.
@@ -130,26 +130,47 @@ __device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8*
       }
       float g[R][TM], u[R][TM], acc[R][TM];
       bool uplive[R];
-      if (gated) {
-        dot_rows<Q, R, TM, false>(acc, grow, live, cols, x, T, lane, w, nw);
-        block_reduce_rows<R, TM>(g, part, acc, phase);
+      if (gated && !gate_first) {  // no row can be skipped: gate and up rows stream in together, one phase
+        const u8* both[2 * R];
+        bool live2[2 * R];
+        float acc2[2 * R][TM], tot2[2 * R][TM];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          bool any = false;
-#pragma unroll
-          for (int t = 0; t < TM; ++t) any |= t < T && ((ron[r] >> t) & 1u) && gate_live(act, g[r][t], cats);
-          uplive[r] = live[r] && (any || !gate_first);
+          both[r] = grow[r];
+          both[R + r] = urow[r];
+          live2[r] = live2[R + r] = uplive[r] = live[r];
         }
+        dot_rows<Q, 2 * R, TM, false>(acc2, both, live2, cols, x, T, lane, w, nw);
+        block_reduce_rows<2 * R, 2 * R, TM>(tot2, part, acc2, phase);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int t = 0; t < TM; ++t) {
+            g[r][t] = tot2[r][t];
+            u[r][t] = tot2[R + r][t];
+          }
       } else {
+        if (gated) {  // gate first: a row whose activation is 0 for every token never has its up row read
+          dot_rows<Q, R, TM, false>(acc, grow, live, cols, x, T, lane, w, nw);
+          block_reduce_rows<R, 2 * R, TM>(g, part, acc, phase);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          uplive[r] = live[r];
+          for (int r = 0; r < R; ++r) {
+            bool any = false;
 #pragma unroll
-          for (int t = 0; t < TM; ++t) g[r][t] = 0.f;
+            for (int t = 0; t < TM; ++t) any |= t < T && ((ron[r] >> t) & 1u) && gate_live(act, g[r][t], cats);
+            uplive[r] = live[r] && any;
+          }
+        } else {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            uplive[r] = live[r];
+#pragma unroll
+            for (int t = 0; t < TM; ++t) g[r][t] = 0.f;
+          }
         }
+        dot_rows<Q, R, TM, false>(acc, urow, uplive, cols, x, T, lane, w, nw);
+        block_reduce_rows<R, 2 * R, TM>(u, part, acc, phase);
       }
-      dot_rows<Q, R, TM, false>(acc, urow, uplive, cols, x, T, lane, w, nw);
-      block_reduce_rows<R, TM>(u, part, acc, phase);
       if (threadIdx.x == 0) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
