@@ -67,7 +67,7 @@ def heldout_recall(path: Path, ctx: int = 512) -> list[dict]:
             self.ffn, self.i = ffn, i
 
         def __call__(self, x, residual):
-            gate = self.ffn.gate_up(x)[:, :self.ffn.n_ff].float()
+            gate = self.ffn.pre_activations(x)[0]
             truth, guess = gate > 0, preds[self.i].mask(residual)
             tp[self.i] += int((truth & guess).sum())
             pos[self.i] += int(truth.sum())

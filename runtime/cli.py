@@ -63,6 +63,14 @@ def print_summary(m) -> None:
     frac = active_fraction(m)
     if frac is not None:
         con.print(f"[bold]ffn[/]    {m.ffn_mode}: {frac:.1%} of neurons computed per token and layer")
+    h = m.hybrid_report()
+    if h is not None:
+        p, t = h["placement"], h["per_token"]
+        con.print(f"[bold]gpu[/]    {h['gpu']}: {p['name']} ({p['source']}), {h['vram_bytes'] / 2**30:.2f} GiB; "
+                  f"attention of {p['attention_on_gpu']} layers, {p['gpu_neurons']:,} neurons on the GPU")
+        if t:
+            con.print(f"[bold]split[/]  per token: CPU {t['cpu_ms']:.2f} ms, waiting for the GPU "
+                      f"{t['gpu_wait_ms']:.2f} ms, copies {t['transfer_ms']:.2f} ms")
 
 
 @app.command()
@@ -83,7 +91,6 @@ def run(
     ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Activations and dequantised weights: f32, bf16, f16.")] = "f32",
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
     = None,
     sparse: Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the "
@@ -92,6 +99,13 @@ def run(
     oracle_masks: Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN with exact masks (ReLU: activation "
                                                "> 0; SwiGLU: the file's CATS thresholds). For debugging and "
                                                "benchmarks.")] = False,
+    gpu: Annotated[str, typer.Option("--gpu", help="auto (a CUDA GPU when CuPy finds one), none, cuda (insist), or "
+                                     "reference (the CPU stand-in for the GPU, for testing).")] = "auto",
+    placement: Annotated[str, typer.Option("--placement", help="With a GPU: plan (the file's plan, PowerInfer's "
+                                           ".gpuidx, or one made now), or a baseline: layers (llama.cpp -ngl), "
+                                           "powerinfer, cpu, gpu.")] = "plan",
+    vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM pi-run may use (default: "
+                                                      "what is free, less 0.5 GiB).")] = None,
     perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
                                                          "(windows of --ctx-size, default 512) instead of generating.")]
     = None,
@@ -102,7 +116,8 @@ def run(
     try:
         mode = ffn_mode(sparse, dense, oracle_masks)
         if perplexity_file is not None:
-            return run_perplexity(model, perplexity_file, threads, ctx_size, dtype, ffn_act, mode, as_json)
+            return run_perplexity(model, perplexity_file, threads, ctx_size, ffn_act, mode, as_json,
+                                  dict(gpu=gpu, placement=placement, vram_budget=vram_budget))
         if file is not None:
             if not file.exists():
                 raise PinferError(f"{file}: no such prompt file")
@@ -113,7 +128,11 @@ def run(
             raise PinferError(f"-n must be >= 0, got {n_predict}")
         from runtime import cpu_kernels, load_model
 
-        m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
+        say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
+        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
+                       placement=placement, vram_budget=vram_budget, say=say)
+        if not as_json:
+            print_notices(m)
         ids = build_prompt(m, prompt, chat, system)
         stream = TextStream(m.tokenizer)
         gen = m.generate(ids, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -123,7 +142,8 @@ def run(
                 stream.push(tok)
             print(json.dumps({"model": str(m.file.path), "prompt": prompt, "text": stream.text,
                               "tokens": stream.ids, "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
-                              "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status()},
+                              "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status(),
+                              "notices": m.notices, "hybrid": m.hybrid_report()},
                              ensure_ascii=False))
             return
         if not chat:
@@ -148,7 +168,12 @@ def active_fraction(m) -> float | None:
     return None if s is None else round(sum(s) / len(s), 4)
 
 
-def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, mode: str, as_json: bool) -> None:
+def print_notices(m) -> None:
+    for n in m.notices:
+        print(f"pi-run: note: {n}", file=sys.stderr)
+
+
+def run_perplexity(model, path: Path, threads, ctx_size, ffn_act, mode: str, as_json: bool, gpu_opts: dict) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -159,7 +184,10 @@ def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, mode: s
         raise PinferError(f"{path}: no such text file for --perplexity")
     text = path.read_text(encoding="utf-8", errors="replace")
     window = ctx_size or 512
-    m = load_model(model, threads=threads, ctx_size=window, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
+    say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
+    m = load_model(model, threads=threads, ctx_size=window, ffn_act=ffn_act, ffn_mode=mode, say=say, **gpu_opts)
+    if not as_json:
+        print_notices(m)
     con = Console(stderr=True)
     with Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=con, transient=True, disable=as_json) as bar:
@@ -168,7 +196,7 @@ def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, mode: s
     frac = active_fraction(m)
     if as_json:
         print(json.dumps({"model": str(m.file.path), "file": str(path), "ffn_mode": m.ffn_mode,
-                          "ffn_active_fraction": frac} | res.as_dict()))
+                          "ffn_active_fraction": frac, "notices": m.notices} | res.as_dict()))
         return
     extra = f", FFN {m.ffn_mode}" + (f", {frac:.1%} of neurons computed" if frac is not None else "")
     print(f"perplexity: {res.ppl:.4f} +/- {res.stderr:.4f}  ({res.tokens_scored} tokens scored in {res.windows} "

@@ -18,17 +18,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from formats import constants as C
 from formats.config import ModelConfig, config_from_gguf
 from formats.errors import PinferError
 from formats.reader import GGUFFile, open_gguf
 from formats.tokenizer import GGUFTokenizer, load_tokenizer
 
+from .hybrid import Split
 from .loader import load_transformer
 from .model import Transformer
+from .placement import Placement
 from .sampling import SamplingParams, make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch memory for long prompts
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
 @dataclass
@@ -64,6 +66,19 @@ class Model:
     threads: int
     ffn_mode: str = "dense"
     stats: Stats = field(default_factory=Stats)
+    notices: list[str] = field(default_factory=list)  # costs loading could not avoid (pi-run prints them)
+    placement: Placement | None = None  # where the parts run when a GPU is used (runtime/placement.py)
+    split: Split | None = None  # host time waiting for the GPU and copying, since the last prefill
+    gpu: str = ""  # the GPU in use, as its driver names it
+    vram_bytes: int = 0  # what the placement's parts take on it
+
+    def hybrid_report(self) -> dict | None:
+        """Placement, VRAM and the per-token time split of the last generation, when a GPU is used."""
+        if self.placement is None:
+            return None
+        st = self.stats
+        return {"gpu": self.gpu, "placement": self.placement.summary(), "vram_bytes": self.vram_bytes,
+                "per_token": self.split.per_token(st.decode_s, st.decode_tokens) if self.split else None}
 
     def sparsity(self) -> list[float] | None:
         """Per layer, the fraction of neurons computed so far (None for dense models)."""
@@ -125,6 +140,8 @@ class Model:
         t0 = time.perf_counter()
         logits = self._prefill(tokens, all_logits=False)[-1]
         st.prompt_s = time.perf_counter() - t0
+        if self.split is not None:
+            self.split.reset()  # the per-token split is of decode steps
         pos = len(ids)
         t0 = time.perf_counter()
         st.stop_reason = "length"
@@ -159,21 +176,21 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 
 
 def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
-               dtype: str = "f32", quantized: bool = True, ffn_act: str | None = None, ffn_mode: str = "auto",
-               progress=None) -> Model:
-    """Open a GGUF/PWRI model and prepare it for generation.
+               ffn_act: str | None = None, ffn_mode: str = "auto", progress=None, *, gpu: str = "none",
+               placement: str = "plan", vram_budget: float | None = None, say=lambda msg: None) -> Model:
+    """Open a GGUF/PWRI model and prepare it for generation. The weights stay in the file (memory-mapped, read in
+    place by the C++ kernels): loading parses the header and makes views.
 
     threads: torch intra-op threads (default: all cores). ctx_size: KV cache length (default: the training context,
-    capped at 4096). dtype: activations and dequantised weights (f32, bf16, f16). quantized: keep Q4_0/Q4_1/Q8_0
-    weights packed for the int4 kernels instead of dequantising them. ffn_act: override the FFN activation read
-    from the file. ffn_mode: "dense", "sparse" (predictors pick each token's neurons), "oracle" (exact masks), or
-    "auto" (sparse when the file has predictors).
+    capped at 4096). ffn_act: override the FFN activation read from the file. ffn_mode: "dense", "sparse"
+    (predictors pick each token's neurons), "oracle" (exact masks), or "auto" (sparse when the file has predictors).
+    gpu: "none", "auto" (a CUDA GPU when CuPy finds one), "cuda" (insist) or "reference" (the CPU stand-in); with a
+    GPU, `placement` (plan | layers | powerinfer | cpu | gpu) and `vram_budget` (GiB) decide what runs there, see
+    runtime/placement.py and runtime/hybrid.py. say: receives one-line messages about the choice.
     """
     t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
-    if dtype not in DTYPES:
-        raise PinferError(f"unknown dtype '{dtype}' (choose {', '.join(DTYPES)})")
     f = open_gguf(resolve_model_path(path))
     cfg = config_from_gguf(f, ffn_act=ffn_act)
     tok = load_tokenizer(f)
@@ -183,7 +200,32 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     if ffn_mode == "auto":
         ffn_mode = "sparse" if cfg.has_predictors else "dense"
     with torch.inference_mode():
-        tr = load_transformer(f, cfg, DTYPES[dtype], ctx, quantized, ffn_mode, progress)
-    m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode)
+        tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress)
+    m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices)
+    _use_gpu(m, gpu, placement, vram_budget, say)
     m.stats.load_s = time.perf_counter() - t0
     return m
+
+
+def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, say) -> None:
+    """Find the GPU, choose the placement, move its parts there (runtime/hybrid.py)."""
+    from . import devices, hybrid
+    from . import placement as pl
+
+    dev, info, why = devices.acquire(gpu)
+    if dev is None:
+        if placement not in ("plan", "cpu") or vram_budget is not None:
+            raise PinferError(f"--placement {placement} and --vram-budget need a GPU, and none can be used: {why}")
+        if _has_plan(m.file):
+            m.notices.append(f"the model has a GPU plan, but no GPU can be used ({why}): running on the CPU")
+        return
+    place = pl.choose(m.file, info, placement=placement, vram_budget_gib=vram_budget, ctx=m.ctx_size, say=say)
+    m.vram_bytes = hybrid.device_bytes(m.transformer, place, m.ctx_size)
+    m.split = hybrid.apply(m, place, dev, budget=pl.budget_bytes(info, vram_budget))
+    m.placement, m.gpu = place, info.name
+
+
+def _has_plan(f: GGUFFile) -> bool:
+    return (any(k.startswith(C.PLAN_PREFIX) for k in f.metadata)
+            or Path(str(f.path) + C.GPUIDX_SUFFIX).exists())
+

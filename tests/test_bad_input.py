@@ -77,11 +77,6 @@ def test_prompt_longer_than_context(tmp_path):
     assert_one_line_error(code, out, "context holds 16", "--ctx-size")
 
 
-def test_bad_dtype(tmp_path):
-    write_tiny(tmp_path / "m.gguf")
-    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi", "--dtype", "f8"), "unknown dtype")
-
-
 def test_verbose_shows_traceback(tmp_path):
     code, out = run(tmp_path / "nope.gguf", "-p", "hi", "--verbose")
     assert code != 0 and "Traceback" in out
