@@ -27,8 +27,9 @@ from formats.reader import open_gguf
 from . import report as out
 from .activations import load_activations
 from .baselines import Baseline, all_baselines
-from .hardware import Hardware, gpu_table, lookup_gpu, resolve_hardware
+from .hardware import Hardware, gpu_table, lookup_gpu
 from .ilp import OBJECTIVES, SOLVERS, Solution, solve
+from .machine import resolve_hardware
 from .memory import account
 from .planfile import copy_plan, export_gpuidx, fingerprint, gpuidx_path, plan_metadata, read_plan, write_plan
 from .problem import DEFAULT_GROUP, KV_TYPES, Problem, build_problem
@@ -371,15 +372,14 @@ def calibration_cmd(reset: Annotated[bool, typer.Option("--reset", help="forget 
                     json_out: JsonOpt = False, verbose: VerboseOpt = False):
     """This machine's CPU calibration (fitted from pi-run timings by benchmarks/plan_calibration.py)."""
     with _errors(verbose):
-        from .calibration import forget, load
-        from .hardware import cpu_name, detect_cores
+        from .machine import forget_calibration, load_calibration, this_cpu_key
 
-        key = f"{cpu_name()}|{detect_cores()}"
+        key = this_cpu_key()
         if reset:
-            forget(key)
+            forget_calibration(key)
             print(f"forgot the calibration of {key}")
             return
-        cal = load(key)
+        cal = load_calibration(key)
         if cal is None:
             print(f"no calibration for {key}; run benchmarks/plan_calibration.py")
             return
