@@ -15,8 +15,16 @@ from pathlib import Path
 from formats.errors import PinferError
 
 from .calibration import Calibration
-from .hardware import (CPU, Hardware, cpu_name, detect_cores, host_ram_gib, load_hw_file, lookup_gpu,
-                       measure_cpu_bandwidth)
+from .hardware import (
+    CPU,
+    Hardware,
+    cpu_name,
+    detect_cores,
+    host_ram_gib,
+    load_hw_file,
+    lookup_gpu,
+    measure_cpu_bandwidth,
+)
 
 BANDWIDTH_CACHE = "cpu.json"
 CALIBRATION_CACHE = "calibration.json"

@@ -135,3 +135,14 @@ def test_cost_model_uses_the_link():
     fast, slow = Hardware(cpu, [lookup_gpu("rtx4090")]), Hardware(cpu, [lookup_gpu("rtx4060ti-16g")])
     assert speeds(fast)[1].bw > speeds(slow)[1].bw
     assert fast.pcie_gbs(fast.gpus[0]) == 2 * slow.pcie_gbs(slow.gpus[0])
+
+
+def test_cache_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PINFER_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty counts as unset (XDG spec), not as the working directory
+    assert machine.cache_dir() == tmp_path / "home" / ".cache" / "pinfer"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert machine.cache_dir() == tmp_path / "xdg" / "pinfer"
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "mine"))
+    assert machine.cache_dir() == tmp_path / "mine"
