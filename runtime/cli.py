@@ -3,11 +3,15 @@
     pi-run smollm2 -p "Once upon a time" -n 64
     pi-run model.gguf --chat -p "Write a haiku about caches" --temp 0.7 --seed 1
     pi-run model.gguf -p "..." --json
+
+Options are checked before the model loads: a value out of range is a one-line error naming the option and its
+range. -t above the cores this process may use is capped to them with a warning (surplus threads only wait).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,6 +19,7 @@ from typing import Annotated
 import typer
 
 from formats.errors import PinferError, report
+from runtime.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -80,7 +85,9 @@ def run(
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Prompt text.")] = None,
     file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 128,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores). More than "
+                                                "the cores this process may use is capped to them, with a warning: "
+                                                "surplus threads only wait for each other.")] = None,
     temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling; 0 = off.")] = 40,
     top_p: Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling; 1.0 = off.")] = 0.95,
@@ -115,6 +122,9 @@ def run(
     """Generate text with a GGUF model on the CPU."""
     try:
         mode = ffn_mode(sparse, dense, oracle_masks)
+        threads = checked_threads(threads)
+        if ctx_size is not None and ctx_size < 1:
+            raise PinferError(f"-c/--ctx-size must be at least 1 token, got {ctx_size}")
         if perplexity_file is not None:
             return run_perplexity(model, perplexity_file, threads, ctx_size, ffn_act, mode, as_json,
                                   dict(gpu=gpu, placement=placement, vram_budget=vram_budget))
@@ -126,6 +136,8 @@ def run(
             raise PinferError("no prompt: pass -p TEXT or -f FILE")
         if n_predict < 0:
             raise PinferError(f"-n must be >= 0, got {n_predict}")
+        # checked before the model loads (generate checks them again)
+        SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
         from runtime import cpu_kernels, load_model
 
         say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
@@ -155,6 +167,21 @@ def run(
         print_summary(m)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-run")) from None
+
+
+def checked_threads(threads: int | None) -> int | None:
+    """-t: at least 1; above the cores this process may run on, capped to them with a one-line warning (torch's
+    spinning OpenMP threads on a shared core are many times slower, never faster)."""
+    if threads is None:
+        return None
+    if threads < 1:
+        raise PinferError(f"-t/--threads must be at least 1, got {threads}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > cores:
+        print(f"pi-run: warning: -t {threads} is more than the {cores} cores this process may use; using {cores}",
+              file=sys.stderr)
+        return cores
+    return threads
 
 
 def ffn_mode(sparse: bool, dense: bool, oracle: bool) -> str:

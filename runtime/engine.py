@@ -146,6 +146,9 @@ class Model:
         t0 = time.perf_counter()
         st.stop_reason = "length"
         for _ in range(max_tokens):
+            if not torch.isfinite(logits).all():  # NaN would otherwise fail deep inside torch.multinomial
+                raise PinferError(f"{self.file.path}: the model's weights are corrupt: the logits at position {pos} "
+                                  f"are not finite (NaN or inf)")
             tok = sample(logits, history)
             history.append(tok)
             st.decode_tokens += 1
@@ -189,12 +192,17 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     runtime/placement.py and runtime/hybrid.py. say: receives one-line messages about the choice.
     """
     t0 = time.perf_counter()
+    if threads is not None and threads < 1:
+        raise PinferError(f"threads must be at least 1, got {threads}")
     if threads:
         torch.set_num_threads(threads)
-    f = open_gguf(resolve_model_path(path))
+    try:
+        f = open_gguf(resolve_model_path(path))
+    except PermissionError as e:
+        raise PinferError(f"{e.filename or path}: permission denied: cannot read the model file") from None
     cfg = config_from_gguf(f, ffn_act=ffn_act)
     tok = load_tokenizer(f)
-    ctx = ctx_size or min(cfg.n_ctx_train, 4096)
+    ctx = ctx_size if ctx_size is not None else min(cfg.n_ctx_train, 4096)
     if ctx <= 0:
         raise PinferError(f"--ctx-size must be positive, got {ctx}")
     if ffn_mode == "auto":

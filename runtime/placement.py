@@ -124,7 +124,7 @@ def budget_bytes(gpu: GPUInfo, vram_budget_gib: float | None) -> int:
 
 
 def plan_cache_path(fingerprint: str, gpu: str, budget: int, ctx: int, name: str) -> Path:
-    from planner.hardware import cache_dir
+    from planner.machine import cache_dir
 
     safe = "".join(c if c.isalnum() else "_" for c in gpu)
     return cache_dir() / "plans" / f"{fingerprint}-{safe}-{budget >> 20}MiB-ctx{ctx}-{name}.json"
@@ -158,7 +158,7 @@ def _stored(f: GGUFFile, gpu: GPUInfo, budget: int, say) -> Placement | None:
 
 def _problem(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, say):
     from planner.activations import Activations
-    from planner.hardware import resolve_hardware
+    from planner.machine import resolve_hardware
     from planner.problem import build_problem
 
     hw = resolve_hardware([])
@@ -192,13 +192,14 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, name: str, say) ->
                              f"{data['source']} (cached)", data.get("tps"))
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry: plan again
+    baselines = all_baselines(p)
     if name == "plan":
         say(f"planning for {gpu.name} with {budget / GIB:.2f} GiB of VRAM")
-        sol = solve(p, "time", "cbc", 30.0, 1e-3)
+        sol = solve(p, "time", "cbc", 30.0, 1e-3, baselines=baselines)
         plan, tps = sol.plan, sol.evaluation.tokens_per_s
         source = f"pi-plan for {gpu.table_name or gpu.name}, {budget / GIB:.2f} GiB"
     else:
-        base = all_baselines(p)[name]
+        base = baselines[name]
         if base.plan is None:
             raise PinferError(f"--placement {name} is not possible on {gpu.name} with {budget / GIB:.2f} GiB: "
                               f"{base.note}")
