@@ -133,7 +133,7 @@ class HybridFFN:
     decided by each side's own gate rows."""
 
     def __init__(self, inner: SparseFFN | DenseFFN, rows: FFNRows, dev, io: Uploader, bucket: np.ndarray,
-                 pred_on_gpu: bool):
+                 pred_on_gpu: bool, norm: tuple[torch.Tensor, float]):
         self.inner, self.rows, self.dev, self.io = inner, rows, dev, io
         self.masker = inner.masker if isinstance(inner, SparseFFN) else None
         self.stats = inner.stats if isinstance(inner, SparseFFN) else SparsityStats()
@@ -158,6 +158,7 @@ class HybridFFN:
             p = self.masker.pred
             self.pred = dev.upload_predictor(p.fc1.numpy(), p.fc2.numpy())
             self.skip = dev.asarray(on_gpu.astype(np.uint8))
+            self.norm_w, self.eps = dev.asarray(_host(norm[0])), norm[1]  # the device norms the residual itself
             always = self.masker.always
             self.always = None if always is None else dev.asarray(always.numpy().astype(np.int64))
 
@@ -204,10 +205,11 @@ class HybridFFN:
         neurons the CPU holds come back."""
         dev, m, T = self.dev, self.masker, x.shape[0]
         thr = m.pred.threshold
-        scores, ids, count = dev.predict(self.pred, self.io.up(resid), threshold=thr, skip=self.skip, ids=True)
+        rd = self.io.up(resid)  # one upload: the predictor reads the residual, the FFN rows its norm
+        scores, ids, count = dev.predict(self.pred, rd, threshold=thr, skip=self.skip, ids=True)
         if self.always is not None:
             scores.reshape(T, -1)[:, self.always] = float("inf")
-        y_gpu = self._launch(x, scores, thr, None)
+        y_gpu = self._launch(x, scores, thr, None, xd=dev.rms_norm(rd, self.norm_w, self.eps) if self.gpu else None)
         n = int(self.io.down(count).reshape(-1)[0])
         cpu_ids = self.io.down(ids[:n]).long() if n else torch.zeros(0, dtype=torch.long)
         if m.always is not None:
@@ -221,13 +223,14 @@ class HybridFFN:
             y = ffn_masked(self.rows, x, mask & self.cpu_mask)
         return y + self._collect(y_gpu)
 
-    def _launch(self, x: torch.Tensor, scores, threshold: float, cats):
+    def _launch(self, x: torch.Tensor, scores, threshold: float, cats, xd=None):
         """Start the device's part (asynchronous on a real GPU); None when it holds no neurons. scores: a host
-        tensor [T, n_ff], a device array, or None (every GPU row, decided by its own gate)."""
+        tensor [T, n_ff], a device array, or None (every GPU row, decided by its own gate). xd: x on the device
+        already (else it is uploaded)."""
         if self.gpu is None:
             return None
         dev, T = self.dev, x.shape[0]
-        xd = self.io.up(x)
+        xd = self.io.up(x) if xd is None else xd
         if isinstance(scores, torch.Tensor):
             scores = self.io.up(scores)
         out = dev.zeros((T, self.rows.n_embd))
@@ -287,7 +290,7 @@ def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Spl
             rows = _rows(b.ffn)
             if rows.down_t is None:  # dense mode over a file with ffn_down: neuron-major rows for both halves
                 rows.down_t = transposed(b.ffn.down.ws[0])
-            b.ffn = HybridFFN(b.ffn, rows, dev, io, bucket, bool(placement.pred[li]))
+            b.ffn = HybridFFN(b.ffn, rows, dev, io, bucket, bool(placement.pred[li]), (b.ffn_norm, tr.cfg.norm_eps))
     if placement.output:
         tr.output = DeviceLinear(dev, io, tr.output)
     return split

@@ -26,6 +26,7 @@ import math
 import os
 import time
 from pathlib import Path
+from statistics import NormalDist
 from typing import Annotated
 
 import numpy as np
@@ -84,6 +85,46 @@ def _cols(row_bytes: int, qtype: T) -> int:
     return row_bytes // (18 if qtype == T.Q4_0 else 34) * 32
 
 
+def _rms(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+
+
+def _thresholds(rng, embd, wq, nh, nkv, hd, wo, g, up, down, freq, u, n_layer, tokens: int = 64):
+    """Per layer, theta_i such that neuron i fires on about freq[i] of tokens, and the RMS of the residual's part
+    orthogonal to u at the FFN's input (what the predictor's noise units read): a short float32 forward over random
+    tokens (attention without RoPE, which does not change these statistics) measures y = (g . xn) / (u . xn) at every
+    depth, and theta is its Gaussian quantile. Without it the residual's growth with depth lowers u . xn and deep
+    layers fire several times their planted rate. Layers share weights, so the forward is cheap."""
+    q_inv = np.array([NormalDist().inv_cdf(1 - min(max(f, 1e-6), 1 - 1e-6)) for f in freq], dtype=np.float32)
+    ids = rng.integers(0, embd.shape[0], tokens)
+    x = embd[ids].astype(np.float32)  # (T, d)
+    T, group = tokens, nh // nkv
+    wk, wv = wq[:nkv * hd], wq[:nkv * hd]
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    out, spread = [], []
+    for _ in range(n_layer):
+        xn = _rms(x)
+        q = (xn @ wq[:nh * hd].T).reshape(T, nh, hd)
+        k = (xn @ wk.T).reshape(T, nkv, hd)
+        v = (xn @ wv.T).reshape(T, nkv, hd)
+        heads = []
+        for h in range(nh):
+            a = q[:, h] @ k[:, h // group].T / math.sqrt(hd)
+            a = np.where(causal, a, -np.inf)
+            a = np.exp(a - a.max(-1, keepdims=True))
+            heads.append((a / a.sum(-1, keepdims=True)) @ v[:, h // group])
+        x = x + np.concatenate(heads, axis=1) @ wo.T
+        r = x - np.outer(x @ u, u)
+        spread.append(float(np.sqrt((r * r).mean())))  # the predictor's input grows with depth
+        xn = _rms(x)
+        y = (xn @ g.T) / (xn @ u)[:, None]  # fires iff y > theta
+        theta = (y.mean() + q_inv * y.std()).astype(np.float32)
+        out.append(theta)
+        z = xn @ g.T - np.outer(xn @ u, theta)
+        x = x + (np.maximum(z, 0) * (xn @ up.T)) @ down
+    return out, spread
+
+
 def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f16", *, sparsity: float = 0.9,
                   skew: float = 1.0, pred_rank: int | None = None, seed: int = 0, say=lambda msg: None) -> dict:
     if shape not in SHAPES:
@@ -108,18 +149,19 @@ def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f1
     o = o * (OUT_SCALE * sd)
     o = o - np.outer(u, u @ o)
     o_pool = _Pool(o, qt)
-    # FFN: gate rows g_i - theta_i u; pre-activation z ~ N(0, 1/2) with |x|^2 = 2d (see the module docstring)
+    # FFN: gate rows g_i - theta_i u (per layer), up and down rows from the pool
     freq = power_law_frequencies(n_ff, sparsity, skew)
     freq = freq[rng.permutation(n_ff)]
-    from statistics import NormalDist
-
-    theta = np.array([NormalDist().inv_cdf(1 - f) for f in freq], dtype=np.float32) * math.sqrt(0.5) / math.sqrt(d / 2)
-    gate = base[:n_ff] * sd - theta[:, None] * u[None, :]
-    gate_pool = _Pool(gate, qt)
-    up_pool = _Pool(base[n_ff - 1::-1][:n_ff] * sd if n_ff <= n_rows else base[:n_ff] * sd, qt)
-    down_pool = _Pool(base[:n_ff] * (OUT_SCALE * sd / math.sqrt(max(1.0, (1 - sparsity) * n_ff / d))), qt)
-    # embeddings r_t + sqrt(d) u (F16/F32 for the lookup; the output head reads the rows orthogonal to u)
-    embd = base[:vocab] + math.sqrt(d) * u[None, :]
+    g = base[:n_ff] * sd
+    up = base[n_ff - 1::-1][:n_ff] * sd
+    down = base[:n_ff] * (OUT_SCALE * sd / math.sqrt(max(1.0, (1 - sparsity) * n_ff / d)))
+    embd = base[:vocab] + math.sqrt(d) * u[None, :]  # r_t + sqrt(d) u
+    thetas, spread = _thresholds(rng, embd, base[:d] * sd, nh, nkv, hd, o, g, up, down, freq, u, L)
+    gate_pools = {}
+    for th in {t.tobytes(): t for t in thetas}.values():
+        gate_pools[th.tobytes()] = _Pool(g - th[:, None] * u[None, :], qt)
+    up_pool, down_pool = _Pool(up, qt), _Pool(down, qt)
+    # embeddings (F16/F32 for the lookup; the output head reads the rows orthogonal to u)
     embd_t = RawTensor(_encode(embd, T.F16 if qt != T.F32 else T.F32), T.F16 if qt != T.F32 else T.F32, (vocab, d))
     out_pool = _Pool(base[:vocab] * (4.0 * sd), qt)
 
@@ -128,7 +170,7 @@ def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f1
     fc1 = rng.standard_normal((r, d), dtype=np.float32) * sd
     fc1[0] = u / math.sqrt(d)  # relu(u . x) = 1 for every token
     fc2 = rng.standard_normal((n_ff, r), dtype=np.float32) / math.sqrt(r)
-    xs = perp(rng.standard_normal((256, d), dtype=np.float32)) + math.sqrt(d) * u  # typical residuals
+    xs = perp(rng.standard_normal((256, d), dtype=np.float32)) * spread[0] + math.sqrt(d) * u  # layer 0 residuals
     noise = np.maximum(xs @ fc1[1:].T, 0) @ fc2[:, 1:].T  # (256, n_ff)
     mu, sigma = noise.mean(0), noise.std(0) + 1e-6
     fc2[:, 0] = sigma * np.array([NormalDist().inv_cdf(min(max(f, 1e-6), 1 - 1e-6)) for f in freq]) - mu
@@ -137,7 +179,13 @@ def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f1
                       n_ctx_train=4096, ffn_act="relu", name=f"pinfer-fast-{shape}-{qtype}")
     tensors: dict[str, RawTensor | np.ndarray] = {C.TOKEN_EMBD: embd_t, C.OUTPUT_NORM: np.ones(d, np.float32),
                                                   C.OUTPUT: out_pool.tensor(vocab)}
-    fc1_t, fc2_t = fc1.astype(np.float16), fc2.astype(np.float16)
+    # the noise units read the residual's spread of each layer as they read layer 0's (where mu/sigma were measured)
+    fc1_l = {}
+    for sp in sorted(set(spread)):
+        a = fc1.copy()
+        a[1:] *= spread[0] / sp
+        fc1_l[sp] = a.astype(np.float16)
+    fc2_t = fc2.astype(np.float16)
     counts = (freq * TOKENS).astype(np.float32)
     for i in range(L):
         t = lambda name, i=i: C.tensor(name, i)  # noqa: E731
@@ -145,8 +193,8 @@ def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f1
             t(C.ATTN_NORM): np.ones(d, np.float32), t(C.FFN_NORM): np.ones(d, np.float32),
             t(C.ATTN_Q): attn_pool.tensor(nh * hd), t(C.ATTN_K): attn_pool.tensor(nkv * hd),
             t(C.ATTN_V): attn_pool.tensor(nkv * hd), t(C.ATTN_OUT): o_pool.tensor(d),
-            t(C.FFN_GATE): gate_pool.tensor(n_ff), t(C.FFN_UP): up_pool.tensor(n_ff),
-            t(C.FFN_DOWN_T): down_pool.tensor(n_ff), t(C.PRED_FC1): fc1_t, t(C.PRED_FC2): fc2_t,
+            t(C.FFN_GATE): gate_pools[thetas[i].tobytes()].tensor(n_ff), t(C.FFN_UP): up_pool.tensor(n_ff),
+            t(C.FFN_DOWN_T): down_pool.tensor(n_ff), t(C.PRED_FC1): fc1_l[spread[i]], t(C.PRED_FC2): fc2_t,
             t(C.ACT_COUNTS): counts,
         })
     meta = llama_metadata(cfg) | byte_vocab(vocab) | {

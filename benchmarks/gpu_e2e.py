@@ -1,0 +1,148 @@
+"""End to end on a GPU: one planted ReLU model, every placement, the same engine, the same CPU threads.
+
+    python benchmarks/gpu_e2e.py --shape llama2-13b --type f16 --vram-budget 12 --threads 8 --out results.json
+
+1. Makes the model with synth.fast (a Llama2-13B-shaped PowerInfer file: F16, ~26 GB, predictors, activation
+   statistics; written once, into /dev/shm when it has room).
+2. Decodes the same greedy continuation of the same prompt with pi-run's engine under --placement plan, layers,
+   powerinfer and cpu (the hybrid executor, runtime/hybrid.py), and once with no GPU at all (the CPU sparse path).
+3. Reports per placement: decode tokens/s, the per-token split (CPU, waiting for the GPU, copies), VRAM used, the
+   planner's predicted tokens/s, whether the tokens equal the CPU path's, and the ratios plan/layers and
+   plan/powerinfer.
+Needs CuPy and a CUDA GPU (`--gpu reference` runs the same script on the CPU stand-in, for testing it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT = "Once upon a time, in a land far away, there lived"
+
+
+def model_path(shape: str, qtype: str, where: str | None) -> Path:
+    if where:
+        return Path(where)
+    shm = Path("/dev/shm")
+    from synth.fast import SHAPES
+
+    L, d, n_ff, *_ = SHAPES[shape]
+    need = L * 3 * d * n_ff * (2 if qtype == "f16" else 4 if qtype == "f32" else 1) * 1.15
+    if shm.is_dir() and shutil.disk_usage(shm).free > need + (4 << 30):
+        return shm / f"pinfer-{shape}-{qtype}.gguf"
+    return Path("/tmp") / f"pinfer-{shape}-{qtype}.gguf"
+
+
+def run(path: Path, gpu: str, placement: str, args) -> dict:
+    import torch
+
+    from runtime import load_model
+
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    m = load_model(path, threads=args.threads, ctx_size=args.ctx, ffn_mode="sparse", gpu=gpu, placement=placement,
+                   vram_budget=args.vram_budget if gpu != "none" else None, say=notes.append)
+    load_s = time.perf_counter() - t0
+    ids = m.tokenizer.encode(PROMPT)
+    steps = []
+    tokens = None
+    for _ in range(args.rounds):  # the first round warms caches and the GPU; the median of the rest is reported
+        out = list(m.generate(ids, max_tokens=args.tokens, temperature=0.0))
+        tokens = tokens or out
+        if out != tokens:
+            notes.append("tokens differ between rounds")
+        steps.append((m.stats.decode_tps, m.hybrid_report()))
+    tps = statistics.median(s[0] for s in steps[1:] or steps)
+    rep = steps[-1][1]
+    res = {"placement": placement, "gpu": gpu, "load_s": round(load_s, 2), "decode_tokens_per_s": round(tps, 3),
+           "decode_tokens_per_s_rounds": [round(s[0], 3) for s in steps], "tokens": tokens, "notes": notes,
+           "prompt_tokens_per_s": round(m.stats.prompt_tps, 2), "sparsity": m.sparsity(),
+           "hybrid": rep, "predicted_tokens_per_s": rep["placement"]["predicted_tokens_per_s"] if rep else None}
+    del m
+    gc.collect()
+    if gpu == "cuda":
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama2-13b")
+    ap.add_argument("--type", default="f16")
+    ap.add_argument("--model", help="use this file instead of making one")
+    ap.add_argument("--vram-budget", type=float, default=12.0, help="GiB (a consumer card's)")
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--gpu", default="cuda", help="cuda, or reference (the CPU stand-in: tests this script)")
+    ap.add_argument("--placements", default="plan,layers,powerinfer,cpu")
+    ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
+    ap.add_argument("--deadline", type=float, default=None, help="start no placement after this many seconds")
+    ap.add_argument("--cpu-last", action="store_true", help="run the CPU-only reference after the placements")
+    args = ap.parse_args()
+
+    from synth.fast import generate_fast
+
+    t0 = time.perf_counter()
+    path = model_path(args.shape, args.type, args.model)
+    made = None
+    if not path.exists():
+        made = generate_fast(path, args.shape, args.type, say=print)
+        print(f"made {path} ({made['bytes'] / 1e9:.1f} GB) in {made['seconds']:.1f} s", flush=True)
+    results = {"model": str(path), "shape": args.shape, "type": args.type, "made": made, "args": vars(args),
+               "runs": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        results["seconds"] = round(time.perf_counter() - t0, 1)
+        out.write_text(json.dumps(results, indent=1))
+
+    cpu = None
+    if not args.cpu_last:
+        cpu = run(path, "none", "cpu", args)
+        print(f"cpu only: {cpu['decode_tokens_per_s']:.2f} tok/s", flush=True)
+        results["runs"].append(cpu)
+        save()
+    for placement in args.placements.split(","):
+        if args.deadline and time.perf_counter() - t0 > args.deadline:
+            results["runs"].append({"placement": placement, "error": "skipped: --deadline"})
+            continue
+        try:
+            r = run(path, args.gpu, placement, args)
+        except Exception as e:  # noqa: BLE001 - a placement that cannot run is a result too
+            r = {"placement": placement, "error": f"{type(e).__name__}: {e}"}
+        r["tokens_equal_cpu"] = None if cpu is None else r.get("tokens") == cpu["tokens"]
+        results["runs"].append(r)
+        print(f"{placement}: {r.get('decode_tokens_per_s')} tok/s, predicted {r.get('predicted_tokens_per_s')}, "
+              f"tokens equal: {r['tokens_equal_cpu']}, {r.get('error', '')}", flush=True)
+        save()
+    if cpu is None and not (args.deadline and time.perf_counter() - t0 > args.deadline):
+        cpu = run(path, "none", "cpu", args)
+        results["runs"].insert(0, cpu)
+        for r in results["runs"][1:]:
+            r["tokens_equal_cpu"] = r.get("tokens") == cpu["tokens"]
+        print(f"cpu only: {cpu['decode_tokens_per_s']:.2f} tok/s", flush=True)
+    by = {r["placement"]: r.get("decode_tokens_per_s") for r in results["runs"] if r.get("gpu") != "none"}
+    if by.get("plan") and by.get("layers"):
+        results["plan_over_layers"] = round(by["plan"] / by["layers"], 3)
+    if by.get("plan") and by.get("powerinfer"):
+        results["plan_over_powerinfer"] = round(by["plan"] / by["powerinfer"], 3)
+    save()
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
