@@ -227,7 +227,8 @@ def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, say)
         if _has_plan(m.file):
             m.notices.append(f"the model has a GPU plan, but no GPU can be used ({why}): running on the CPU")
         return
-    place = pl.choose(m.file, info, placement=placement, vram_budget_gib=vram_budget, ctx=m.ctx_size, say=say)
+    place = pl.choose(m.file, info, placement=placement, vram_budget_gib=vram_budget, ctx=m.ctx_size,
+                      threads=m.threads, say=say)
     m.vram_bytes = hybrid.device_bytes(m.transformer, place, m.ctx_size)
     m.split = hybrid.apply(m, place, dev, budget=pl.budget_bytes(info, vram_budget))
     m.placement, m.gpu = place, info.name

@@ -156,12 +156,12 @@ def _stored(f: GGUFFile, gpu: GPUInfo, budget: int, say) -> Placement | None:
                      bool(p.output), f"the plan in {Path(f.path).name}", float(tps) if tps is not None else None)
 
 
-def _problem(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, say):
+def _problem(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say):
     from planner.activations import Activations
     from planner.machine import resolve_hardware
     from planner.problem import build_problem
 
-    hw = resolve_hardware([])
+    hw = resolve_hardware([], cpu_cores=threads)  # the CPU side runs on pi-run's threads, not on every core
     hw.gpus = [gpu.planner_gpu(budget)]
     acts = None
     if not f.has(C.tensor(C.ACT_COUNTS, 0)):
@@ -174,7 +174,7 @@ def _problem(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, say):
     return build_problem(f, hw, ctx_size=ctx, activations=acts)
 
 
-def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, name: str, say) -> Placement:
+def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name: str, say) -> Placement:
     """A placement made now by the planner (the ILP for "plan", else the named baseline), cached by model, GPU,
     budget and context."""
     from planner.baselines import all_baselines
@@ -182,8 +182,8 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, name: str, say) ->
     from planner.planfile import fingerprint
 
     fp = fingerprint(f)
-    cache = plan_cache_path(fp, gpu.table_name or gpu.name, budget, ctx, name)
-    p = _problem(f, gpu, budget, ctx, say)
+    cache = plan_cache_path(fp, gpu.table_name or gpu.name, budget, ctx, f"{name}-t{threads}")
+    p = _problem(f, gpu, budget, ctx, threads, say)
     if cache.exists():
         try:
             data = json.loads(cache.read_text())
@@ -218,7 +218,7 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, name: str, say) ->
     return out
 
 
-def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, say) -> Placement | None:
+def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say) -> Placement | None:
     """PowerInfer's <model>.generated.gpuidx: its FFN placement, with the dense parts PowerInfer's way."""
     from planner.baselines import powerinfer_plan
     from planner.costmodel import evaluate
@@ -238,7 +238,7 @@ def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, say) -> Placement
         say(f"{path.name} was made for {int(cap) / GIB:.2f} GiB of VRAM, {budget / GIB:.2f} GiB are available: "
             f"planning again")
         return None
-    p = _problem(f, gpu, budget, ctx, say)
+    p = _problem(f, gpu, budget, ctx, threads, say)
     dense = powerinfer_plan(p)
     n_gpu = np.array([len(b) for b in stored.buckets])
     ffn_gpu = (n_gpu > 0).astype(np.int64)
@@ -253,7 +253,7 @@ def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, say) -> Placement
 
 
 def choose(f: GGUFFile, gpu: GPUInfo, *, placement: str = "plan", vram_budget_gib: float | None = None,
-           ctx: int, say=lambda msg: None) -> Placement:
+           ctx: int, threads: int, say=lambda msg: None) -> Placement:
     """The placement pi-run executes on `gpu` (see the module docstring for the order of sources)."""
     if placement not in PLACEMENTS:
         raise PinferError(f"unknown --placement '{placement}' (one of {', '.join(PLACEMENTS)})")
@@ -261,7 +261,7 @@ def choose(f: GGUFFile, gpu: GPUInfo, *, placement: str = "plan", vram_budget_gi
     if placement == "cpu":
         return Placement.cpu(int(f.arch_get(C.BLOCK_COUNT)), "--placement cpu")
     if placement == "plan":
-        got = _stored(f, gpu, budget, say) or _sidecar(f, gpu, budget, ctx, say)
+        got = _stored(f, gpu, budget, say) or _sidecar(f, gpu, budget, ctx, threads, say)
         if got is not None:
             return got
-    return planned(f, gpu, budget, ctx, placement, say)
+    return planned(f, gpu, budget, ctx, threads, placement, say)
