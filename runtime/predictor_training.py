@@ -24,7 +24,7 @@ from .predictor import Predictor
 from .profile import Profile, Samples
 
 MIN_TRAIN_TOKENS = 1000  # profiled tokens needed to train predictors (about 150 held out for each of calib/test)
-DEFAULT_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
+DEFAULT_LADDER = (32, 64, 128, 256, 512, 1024, 2048)  # multiples of 32: PowerInfer quantizes fc2 rows in blocks of 32
 DEFAULT_RECALL = 0.95
 SCORE_SCALE = 8.0
 RIDGES = (1e-3, 1e-2, 1e-1)  # ridge strengths tried per layer, relative to the mean diagonal of x^T x

@@ -29,13 +29,17 @@ app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions
 
 
 
+DEFAULT_LADDER = (32, 64, 128, 256, 512, 1024, 2048)  # runtime.predictor_training's, without importing torch here
+
+
 def parse_ladder(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise PinferError(f"--ladder must be comma-separated integers, got '{text}'") from None
-    if not sizes or any(h < 2 or h % 2 for h in sizes):
-        raise PinferError(f"--ladder sizes must be even integers >= 2, got '{text}'")
+    if not sizes or any(h < 32 or h % 32 for h in sizes):
+        # a predictor's hidden width is fc2's row length: PowerInfer's quantize needs whole blocks of 32 there
+        raise PinferError(f"--ladder sizes must be multiples of 32, got '{text}'")
     return sizes
 
 
@@ -266,8 +270,8 @@ def run(
                         "this fraction of inactive neurons.")] = None,
     recall: Annotated[float, typer.Option("--recall", help="Fraction of active neurons the predictors must catch "
                       "on held-out tokens.")] = 0.95,
-    ladder: Annotated[str, typer.Option("--ladder", help="Candidate predictor hidden sizes.")]
-    = ",".join(map(str, (16, 32, 64, 128, 256, 512, 1024, 2048))),
+    ladder: Annotated[str, typer.Option("--ladder", help="Candidate predictor hidden sizes (multiples of 32).")]
+    = ",".join(map(str, DEFAULT_LADDER)),
     max_fraction: Annotated[float, typer.Option("--max-fraction", help="Largest predictor size as a fraction of "
                             "the layer's FFN bytes.")] = 0.10,
     steps: Annotated[int, typer.Option("--steps", help="Most gradient steps refining each predictor.")] = 600,

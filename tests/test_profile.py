@@ -400,3 +400,12 @@ def test_import_wrong_predictor_dir(relu_model, tmp_path):
     before = digest(relu_model)
     assert_one_line_error(*invoke(relu_model, "--import-predictors", pdir), "fc2 [256, r]")
     assert digest(relu_model) == before
+
+
+def test_cli_ladder_is_the_trainers():
+    """pi-profile's --ladder default (spelled out there so --help needs no torch) is the trainer's, all sizes
+    multiples of 32 (PowerInfer's quantize needs whole blocks of 32 in fc2's rows)."""
+    from runtime import profile_cli
+
+    assert profile_cli.DEFAULT_LADDER == predictor_training.DEFAULT_LADDER
+    assert all(h % 32 == 0 for h in predictor_training.DEFAULT_LADDER)
