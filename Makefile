@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pinfer-installed
 THREADS ?= 2
 PROMPT ?= Once upon a time
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench gpu-check lint clean
 
 install: $(STAMP)
 
@@ -39,6 +39,13 @@ demo: install
 bench: install
 	$(BIN)/python -m pip install -q psutil
 	$(BIN)/python benchmarks/decode.py --threads $(THREADS)
+
+# On a machine with an NVIDIA GPU: every kernel against the CPU reference at Llama-13B sizes, then GB/s
+# (benchmarks/results/gpu_check.json). Installs CuPy for CUDA 12 (CUPY=cupy-cuda13x for CUDA 13).
+CUPY ?= cupy-cuda12x
+gpu-check: install
+	$(BIN)/python -m pip install -q "$(CUPY)>=13"
+	$(BIN)/python benchmarks/gpu_check.py
 
 lint: install
 	$(BIN)/python -m pip install -q ruff

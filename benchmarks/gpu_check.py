@@ -49,9 +49,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     res = {"device": dev.name, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "checks": [],
            "bench": []}
-    d, n_ff = (1024, 2048) if args.quick else (D, N_FF)
+    d, n_ff = (1056, 2048) if args.quick else (D, N_FF)
     try:
-        run_checks(dev, ReferenceDevice(), res["checks"], d, n_ff)
+        run_checks(dev, ReferenceDevice(), res["checks"], d, n_ff, args.quick)
     except Exception as e:  # report what ran, and the error, rather than nothing
         res["checks"].append({"kernel": "checks", "case": "aborted", "error": repr(e), "max_err": float("nan"),
                               "tol": 0.0, "pass": False})
@@ -80,7 +80,7 @@ def _err(got, want, scale) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - want) / scale))
 
 
-def run_checks(dev, ref, out: list, d: int, n_ff: int) -> None:
+def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> None:
     from runtime.gpu import ACT_CODES
     from runtime.gpu import layout as L
 
@@ -155,12 +155,15 @@ def run_checks(dev, ref, out: list, d: int, n_ff: int) -> None:
     record("layer_norm", f"4x{d}", _err(g, r, np.abs(r).max()))
 
     # attention: 13B MHA, 70B-style GQA, MQA; decode and a prefill chunk; both RoPE orders
-    for n_head, n_kv, hd, neox, T, pos in ((40, 40, 128, False, 1, 0), (40, 40, 128, False, 1, 3000),
-                                          (64, 8, 128, False, 1, 2047), (64, 8, 128, True, 7, 1500),
-                                          (71, 1, 64, True, 1, 1000)):
+    cases = ((40, 40, 128, False, 1, 0), (40, 40, 128, False, 1, 3000), (64, 8, 128, False, 1, 2047),
+             (64, 8, 128, True, 7, 1500), (71, 1, 64, True, 1, 1000))
+    ctx = 4096
+    if quick:  # the same kinds of case at a size the CPU emulation runs in seconds
+        cases, ctx = ((4, 4, 128, False, 1, 0), (8, 2, 64, True, 3, 300), (5, 1, 32, False, 1, 400)), 512
+    for n_head, n_kv, hd, neox, T, pos in cases:
         q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
         k, v = (rng.standard_normal((T, n_kv, hd)).astype(np.float32) for _ in range(2))
-        ck, cv = (rng.standard_normal((n_kv, 4096, hd)).astype(np.float16) for _ in range(2))
+        ck, cv = (rng.standard_normal((n_kv, ctx, hd)).astype(np.float16) for _ in range(2))
 
         def att(D, get, q=q, k=k, v=v, ck=ck, cv=cv, neox=neox, pos=pos):
             kc, vc = D.asarray(ck), D.asarray(cv)
