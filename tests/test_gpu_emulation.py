@@ -100,7 +100,7 @@ def test_missing_barrier_shows(probe):
 def test_out_of_bounds_write_is_caught(probe):
     with pytest.raises(AssertionError, match="guard bytes"):
         fake_cupy.RawModule(PROBE, options=("--std=c++17",)).get_function("overrun")(
-            (1,), (64,), (fake_cupy.zeros((40,)), np.int32(40)))
+            (1,), (64,), (fake_cupy.zeros((60,)), np.int32(60)))  # 16 bytes past the end: inside the guard
 
 
 # ------------------------------------------------------------------ planted faults

@@ -191,7 +191,9 @@ template <class Q, int TT>
 __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride, int cols,
                                             const float* __restrict__ h, int k, int T, float* __restrict__ y,
                                             int rows_per_warp) {
-  constexpr int R = Q::R;
+  // Rows loaded side by side (fewer for two tokens, whose accumulators take 64 registers): more would push ptxas
+  // past the 128 registers that let two blocks share an SM.
+  constexpr int R = TT > 1 ? (Q::R + 1) / 2 : Q::R;
   // The block's partial sums of its unit, per token. Tile positions p sit at p (a warp writes 512 contiguous
   // bytes per quad: no bank conflicts); tail positions at p + 4 * (p / 32), padding each 32-value block by 16 bytes
   // so that lanes 32 floats apart land in different banks.
@@ -294,7 +296,7 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
     sparse_up<Q, TM>(gate, up, stride, cols, bucket, k, scores, n_ff, threshold, bias, act, cats, x, T, h, group);  \
   }
 #define SPARSE_DOWN_ENTRY(sfx, Q, TT)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256, 1) sparse_down_##sfx##_t##TT(                                      \
+  extern "C" __global__ void __launch_bounds__(256, 2) sparse_down_##sfx##_t##TT(                                      \
       const u8* __restrict__ w, i64 stride, int cols, const float* __restrict__ h, int k, int T,                     \
       float* __restrict__ y, int rows_per_warp) {                                                                   \
     sparse_down<Q, TT>(w, stride, cols, h, k, T, y, rows_per_warp);                                                 \
