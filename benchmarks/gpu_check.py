@@ -7,6 +7,10 @@ Needs a CUDA GPU and CuPy; without them it prints one line saying what is missin
    active rows, bytes touched / time against that bandwidth, over a sweep of the grid parameters; dense GEMV.
    Each timed launch reads another of several copies of the layer, so the 60 MB L2 does not serve repeats.
 All results go to one JSON file (default benchmarks/results/gpu_check.json) and a printed table. ~2-4 minutes.
+
+Last run (H200, 75 s on a fresh machine): 78/78 checks passed (max error 4e-7 of the terms' scale); copy 4.25 TB/s;
+10% sparse FFN, one token: F16 gate+up 19 us (35% of copy), down 9.6 us (35%); Q4_0 11% / 10%; dense GEMV F16 90%,
+Q8_0 47%, Q4_0 31%; attention decode at 4096 positions 39%.
 """
 
 from __future__ import annotations
