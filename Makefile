@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pinfer-installed
 THREADS ?= 2
 PROMPT ?= Once upon a time
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench gpu-check lint clean
 
 install: $(STAMP)
 
@@ -39,6 +39,20 @@ demo: install
 bench: install
 	$(BIN)/python -m pip install -q psutil
 	$(BIN)/python benchmarks/decode.py --threads $(THREADS)
+
+# On a machine with an NVIDIA GPU: every CUDA kernel against its CPU reference at Llama-13B sizes and their GB/s
+# (benchmarks/gpu_check.py), then the hybrid executor end to end on a planted Llama2-13B-shaped F16 model with a
+# 12 GiB budget (benchmarks/gpu_e2e.py: plan vs layers, tokens vs the CPU path); both into one file,
+# benchmarks/results/gpu_check.json. GPU machines come with a CUDA torch and CuPy in GPU_PYTHON (default: python3);
+# pinfer's light dependencies go into build/gpu-site, from wheels in .whl/ when there are any (machines without
+# PyPI), else from PyPI.
+GPU_PYTHON ?= python3
+GPU_SITE = build/gpu-site
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-deps --target $(GPU_SITE) $(if $(wildcard .whl/*.whl),--no-index .whl/*.whl,gguf pulp)
+	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) benchmarks/gpu_e2e.py --rounds 1 --placements plan,layers --cpu-last \
+	  --deadline 150 --merge-into benchmarks/results/gpu_check.json
 
 lint: install
 	$(BIN)/python -m pip install -q ruff

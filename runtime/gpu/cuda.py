@@ -243,7 +243,7 @@ class CudaDevice:
     def _down_rows_per_warp(self, k: int, units: int) -> int:
         # About two blocks per SM: each block adds its unit to y once (4 KB of atomics per token), so fewer, fuller
         # blocks keep atomics a small share of the weight bytes; at least 32 rows (one ballot) per warp.
-        return max(32, -(-k * units // (2 * self.sm_count * 8)))
+        return 32 * max(1, -(-k * units // (2 * self.sm_count * 8 * 32)))  # whole ballots of 32 rows
 
     def predict(self, pred: PredictorWeights, x, *, threshold=0.0, skip=None, ids=False):
         """scores[T, n_ff] = fc2 @ relu(fc1 @ x); with ids also (ids int32 [n_ff], count int32 [1]): the ascending

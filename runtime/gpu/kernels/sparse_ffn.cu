@@ -24,6 +24,14 @@
 //   of the weight bytes when rows_per_warp is sized to the active rows (runtime/gpu/cuda.py picks the grid).
 //   Tokens are processed TT at a time (acc is 32 * TT registers); more tokens loop over the rows again, from L2.
 //
+// Measured (benchmarks/gpu_check.py on an H200, CUDA graphs, copy 4.25 TB/s; Llama-13B layer, 10% of 13824 rows
+// active, one token): F16 gate+up 19 us = 35% of copy, down 9.6 us = 35%; Q8_0 20% / 21%; Q4_0 11% / 10%
+// (dequantising 4-bit to fp32 is arithmetic-bound). A 10% layer is only 28 + 14 MB, so the few dependent memory
+// round trips per kernel (bucket -> scores -> rows -> h; h -> rows -> atomics) dominate: the 70% goal needs fewer of
+// them (scores already in GPU-row order from the predictor, stages fused), not wider loads. The dense GEMV of the
+// same types reads at 90% (F16), 47% (Q8_0), 31% (Q4_0) of copy. 8-token variants spill and run 4-6x slower than
+// one token: see runtime/gpu/__init__.py.
+//
 // Launch: sparse_up: 32 * W threads per block, W = min(6, tiles + tail) (a tile per warp), grid.x *
 //         group >= k (or fewer: blocks stride).
 //         sparse_down: 256 threads per block, grid = (ntile + (ntail > 0), ceil(k / (8 * rows_per_warp))).
@@ -191,7 +199,9 @@ template <class Q, int TT>
 __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride, int cols,
                                             const float* __restrict__ h, int k, int T, float* __restrict__ y,
                                             int rows_per_warp) {
-  constexpr int R = Q::R;
+  // Rows loaded side by side (fewer for two tokens, whose accumulators take 64 registers): more would push ptxas
+  // past the 128 registers that let two blocks share an SM.
+  constexpr int R = TT > 1 ? (Q::R + 1) / 2 : Q::R;
   // The block's partial sums of its unit, per token. Tile positions p sit at p (a warp writes 512 contiguous
   // bytes per quad: no bank conflicts); tail positions at p + 4 * (p / 32), padding each 32-value block by 16 bytes
   // so that lanes 32 floats apart land in different banks.
@@ -294,7 +304,7 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
     sparse_up<Q, TM>(gate, up, stride, cols, bucket, k, scores, n_ff, threshold, bias, act, cats, x, T, h, group);  \
   }
 #define SPARSE_DOWN_ENTRY(sfx, Q, TT)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256, 1) sparse_down_##sfx##_t##TT(                                      \
+  extern "C" __global__ void __launch_bounds__(256, 2) sparse_down_##sfx##_t##TT(                                      \
       const u8* __restrict__ w, i64 stride, int cols, const float* __restrict__ h, int k, int T,                     \
       float* __restrict__ y, int rows_per_warp) {                                                                   \
     sparse_down<Q, TT>(w, stride, cols, h, k, T, y, rows_per_warp);                                                 \
