@@ -157,9 +157,29 @@ def test_pack_rejects_bad_input(mats):
         S.pack_ffn(gate, up, down_t, down_transposed=True, act="gelu")
 
 
+def _vm_flags(addr: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding `addr` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
 def test_large_layer_uses_huge_page_memory_and_stays_alive():
+    """The fallback's float copies of a large layer live in a mapping advised for transparent huge pages (the kernel
+    shows "hg" in its VmFlags), which stays alive as long as a view of it does."""
     n_ff, d = 1024, 1024  # 8 MiB of gate_up: above the huge-page threshold
     w = S.pack_ffn(torch.ones(n_ff, d), torch.ones(n_ff, d), torch.ones(n_ff, d), down_transposed=True, act="relu")
+    assert "hg" in _vm_flags(w.gate_up.data_ptr())
+    small = S.pack_ffn(torch.ones(8, 16), torch.ones(8, 16), torch.ones(8, 16), down_transposed=True, act="relu")
+    assert "hg" not in _vm_flags(small.gate_up.data_ptr())  # below the threshold: ordinary memory
     view = w.gate_up[3]
     del w
     assert float(view.sum()) == 2 * d  # the view keeps the anonymous mapping alive
