@@ -1,7 +1,7 @@
-"""Decode speed and peak memory of pinfer vs llama.cpp on the same GGUF, side by side.
+"""Decode and prefill speed and peak memory of pinfer vs llama.cpp on the same GGUF, side by side.
 
     python benchmarks/decode.py                      # SmolLM2 demo model, 2 threads, 5 interleaved rounds
-    python benchmarks/decode.py --model m.gguf --threads 2 --tokens 128 --rounds 7 --json
+    python benchmarks/decode.py --model m.gguf --threads 2 --tokens 128 --prefill 512 --rounds 7 --json
     python benchmarks/decode.py --llama-bench /path/to/llama.cpp/build/bin/llama-bench
 
 Each measurement runs in a fresh subprocess (so peak RSS is the engine's own), and the engines alternate within each
@@ -35,25 +35,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PROMPT = "Once upon a time"
 
 
-def worker_pinfer(model: str, threads: int, tokens: int, prompt: str, extra: dict) -> dict:
+def long_prompt(n: int) -> str:
+    """Held-out prose long enough for an n-token prompt (each engine cuts its own ids to n)."""
+    from runtime.corpus import HELDOUT
+
+    text = HELDOUT.read_text()
+    return (text * (1 + 8 * n // max(len(text), 1)))[:8 * n]
+
+
+def worker_pinfer(model: str, threads: int, tokens: int, prompt: str, prefill: int) -> dict:
     from runtime import load_model
 
     t0 = time.perf_counter()
-    m = load_model(model, threads=threads, **extra)
+    m = load_model(model, threads=threads, ctx_size=max(512, prefill + 16))
     load_s = time.perf_counter() - t0
     ids = m.tokenizer.encode(prompt)
     list(m.generate(ids, max_tokens=8, temperature=0.0, stop_ids=set()))  # warm-up
     out = list(m.generate(ids, max_tokens=tokens, temperature=0.0, stop_ids=set()))
     st = m.stats
-    return {"load_s": load_s, "decode_tps": st.decode_tps, "prompt_tps": st.prompt_tps, "tokens": len(out),
-            "text": m.tokenizer.decode(out)[:80]}
+    res = {"load_s": load_s, "decode_tps": st.decode_tps, "prompt_tps": st.prompt_tps, "tokens": len(out),
+           "text": m.tokenizer.decode(out)[:80], "prefill_tps": None}
+    if prefill:
+        long = m.tokenizer.encode(long_prompt(prefill))[:prefill]
+        list(m.generate(long, max_tokens=1, temperature=0.0, stop_ids=set()))
+        res["prefill_tps"] = m.stats.prompt_tps
+    return res
 
 
-def worker_llamacpp(model: str, threads: int, tokens: int, prompt: str, extra: dict) -> dict:
+def worker_llamacpp(model: str, threads: int, tokens: int, prompt: str, prefill: int) -> dict:
     import llama_cpp
 
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+    llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=max(512, prefill + 16),
+                          n_batch=max(512, prefill), verbose=False)
     load_s = time.perf_counter() - t0
     ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
 
@@ -72,29 +86,38 @@ def worker_llamacpp(model: str, threads: int, tokens: int, prompt: str, extra: d
 
     run(8)  # warm-up
     t_prompt, t_decode, out = run(tokens)
-    return {"load_s": load_s, "decode_tps": tokens / t_decode, "prompt_tps": len(ids) / t_prompt, "tokens": tokens,
-            "text": llm.detokenize(out).decode(errors="replace")[:80]}
+    res = {"load_s": load_s, "decode_tps": tokens / t_decode, "prompt_tps": len(ids) / t_prompt, "tokens": tokens,
+           "text": llm.detokenize(out).decode(errors="replace")[:80], "prefill_tps": None}
+    if prefill:
+        long = llm.tokenize(long_prompt(prefill).encode(), add_bos=False, special=False)[:prefill]
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(long)
+        res["prefill_tps"] = len(long) / (time.perf_counter() - t)
+    return res
 
 
 def run_llama_bench(args) -> dict:
     """One run of llama.cpp's llama-bench: text generation of --tokens tokens after an empty prompt, CPU only."""
-    cmd = [args.llama_bench, "-m", args.model, "-t", str(args.threads), "-p", "0", "-n", str(args.tokens), "-r", "1",
-           "-ngl", "0", "-o", "json"]
+    cmd = [args.llama_bench, "-m", args.model, "-t", str(args.threads), "-p", str(args.prefill), "-n",
+           str(args.tokens), "-r", "1", "-ngl", "0", "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"llama-bench failed ({' '.join(cmd)}):\n{(out.stderr or out.stdout)[-2000:]}")
-    tests = [t for t in json.loads(out.stdout) if t.get("n_gen") and not t.get("n_prompt")]
+    results = json.loads(out.stdout)
+    tests = [t for t in results if t.get("n_gen") and not t.get("n_prompt")]
     if not tests:
         raise SystemExit(f"llama-bench printed no text-generation result:\n{out.stdout[-2000:]}")
+    pp = [t for t in results if t.get("n_prompt") and not t.get("n_gen")]
     return {"decode_tps": float(tests[0]["avg_ts"]), "prompt_tps": None, "load_s": None, "peak_rss_mb": None,
-            "tokens": int(tests[0]["n_gen"]), "text": ""}
+            "tokens": int(tests[0]["n_gen"]), "text": "", "prefill_tps": float(pp[0]["avg_ts"]) if pp else None}
 
 
 def run_worker(engine: str, args) -> dict:
     if engine == "llama-bench":
         return run_llama_bench(args)
     cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(args.threads),
-           "--tokens", str(args.tokens), "--prompt", args.prompt, "--dtype", args.dtype]
+           "--tokens", str(args.tokens), "--prompt", args.prompt, "--prefill", str(args.prefill)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{out.stderr[-2000:]}")
@@ -108,7 +131,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", default=PROMPT)
-    ap.add_argument("--dtype", default="f32")
+    ap.add_argument("--prefill", type=int, default=0, help="also time the prefill of a prompt of this many tokens")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary, to run beside the others "
                     "(never built by this script)")
@@ -117,8 +140,7 @@ def main() -> None:
 
     if args.worker:
         fn = worker_pinfer if args.worker == "pinfer" else worker_llamacpp
-        extra = {"dtype": args.dtype} if args.worker == "pinfer" else {}
-        res = fn(args.model, args.threads, args.tokens, args.prompt, extra)
+        res = fn(args.model, args.threads, args.tokens, args.prompt, args.prefill)
         res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res))
         return
@@ -161,11 +183,18 @@ def main() -> None:
 
     ratios = {e: {"median": round(statistics.median(v), 3), "per_round": [round(x, 3) for x in v]}
               for e, v in paired.items()}
+    prefill = {}
+    if args.prefill:
+        for e in engines:
+            if e != "pinfer" and all(o.get("prefill_tps") for o in rows[e]):
+                v = [p["prefill_tps"] / o["prefill_tps"] for p, o in zip(rows["pinfer"], rows[e], strict=True)]
+                prefill[e] = {"median": round(statistics.median(v), 3), "per_round": [round(x, 3) for x in v]}
     summary = {"model": args.model, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
-               "paired_decode_ratio": ratios,
+               "paired_decode_ratio": ratios, "prefill_tokens": args.prefill, "paired_prefill_ratio": prefill,
                "not_measured": missing,
                "unpaired_medians": {e: {k: med(e, k) for k in ("decode_tps", "prompt_tps", "load_s", "peak_rss_mb")}
-                                    | {"text": rows[e][0]["text"]} for e in engines}}
+                                    | {"prefill_tps": med(e, "prefill_tps"), "text": rows[e][0]["text"]}
+                                    for e in engines}}
     if args.json:
         print(json.dumps(summary, indent=2))
         return
@@ -179,6 +208,9 @@ def main() -> None:
             print(f"  vs {names[e]}: {v['median']:.2f}x  (per round: {', '.join(f'{x:.2f}' for x in v['per_round'])})")
         else:
             print(f"  vs {names[e]}: not measured: {missing[e]}")
+    for e, v in prefill.items():
+        print(f"  prefill of {args.prefill} tokens vs {names[e]}: {v['median']:.2f}x  "
+              f"(per round: {', '.join(f'{x:.2f}' for x in v['per_round'])})")
     from rich.console import Console
     from rich.table import Table
 
