@@ -55,9 +55,14 @@ class Predictor:
         return c[2], c[3]
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] -> [T, n_ff], computed in float32"""
+        """x [T, d] -> [T, n_ff], computed in float32: by the C++ kernels on fc1/fc2 as stored when they apply (no
+        copy of the weights), else by torch on float32 copies."""
+        x = x.float().contiguous()
+        if qops.available() and not {self.fc1.dtype, self.fc2.dtype} - _KERNEL_DTYPES.keys():
+            h = torch.ops.pinfer.qmatmul(x, [_bytes(self.fc1)], [_KERNEL_DTYPES[self.fc1.dtype]])
+            return torch.ops.pinfer.qmatmul(F.relu(h), [_bytes(self.fc2)], [_KERNEL_DTYPES[self.fc2.dtype]])
         fc1, fc2 = self._float()
-        return F.linear(F.relu(F.linear(x.float(), fc1)), fc2)
+        return F.linear(F.relu(F.linear(x, fc1)), fc2)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         return self.scores(x) >= self.threshold

@@ -126,7 +126,8 @@ def _thresholds(rng, embd, wq, nh, nkv, hd, wo, g, up, down, freq, u, n_layer, t
 
 
 def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f16", *, sparsity: float = 0.9,
-                  skew: float = 1.0, pred_rank: int | None = None, seed: int = 0, say=lambda msg: None) -> dict:
+                  skew: float = 1.0, pred_rank: int | None = None, seed: int = 0, stats: bool = True,
+                  say=lambda msg: None) -> dict:
     if shape not in SHAPES:
         raise PinferError(f"unknown shape '{shape}' (one of {', '.join(SHAPES)})")
     if qtype not in TYPES:
@@ -195,12 +196,14 @@ def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f1
             t(C.ATTN_V): attn_pool.tensor(nkv * hd), t(C.ATTN_OUT): o_pool.tensor(d),
             t(C.FFN_GATE): gate_pools[thetas[i].tobytes()].tensor(n_ff), t(C.FFN_UP): up_pool.tensor(n_ff),
             t(C.FFN_DOWN_T): down_pool.tensor(n_ff), t(C.PRED_FC1): fc1_l[spread[i]], t(C.PRED_FC2): fc2_t,
-            t(C.ACT_COUNTS): counts,
         })
+        if stats:
+            tensors[t(C.ACT_COUNTS)] = counts
     meta = llama_metadata(cfg) | byte_vocab(vocab) | {
-        C.FFN_ACTIVATION: "relu", C.SPARSE_THRESHOLD: np.float32(0.0), C.ACT_TOKENS: np.uint64(TOKENS),
-        C.ACT_CORPUS: "planted (synth.fast)", C.ACT_RULE: "relu>0",
+        C.FFN_ACTIVATION: "relu", C.SPARSE_THRESHOLD: np.float32(0.0),
         C.FILE_TYPE: np.uint32({T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q8_0: 7}[qt])}
+    if stats:
+        meta |= {C.ACT_TOKENS: np.uint64(TOKENS), C.ACT_CORPUS: "planted (synth.fast)", C.ACT_RULE: "relu>0"}
     say(f"writing {path}")
     write_gguf(path, meta, tensors, powerinfer=True, progress=True)
     size = Path(path).stat().st_size
@@ -217,9 +220,10 @@ def cli(out: Annotated[Path, typer.Argument(help="output .gguf")],
         type_: Annotated[str, typer.Option("--type", help=f"weights: {', '.join(TYPES)}")] = "f16",
         sparsity: Annotated[float, typer.Option(help="planted mean fraction of inactive neurons")] = 0.9,
         seed: Annotated[int, typer.Option(help="random seed")] = 0,
+        stats: Annotated[bool, typer.Option(help="store the planted activation statistics (blk.N.act_counts)")] = True,
         verbose: Annotated[bool, typer.Option(help="tracebacks on errors")] = False):
     try:
-        res = generate_fast(out, shape, type_, sparsity=sparsity, seed=seed, say=print)
+        res = generate_fast(out, shape, type_, sparsity=sparsity, seed=seed, stats=stats, say=print)
     except BaseException as e:  # noqa: BLE001
         raise typer.Exit(report(e, verbose, prog="synth.fast")) from None
     print(f"{res['path']}: {res['bytes'] / 1e9:.2f} GB in {res['seconds']:.1f} s")
