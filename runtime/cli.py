@@ -41,14 +41,12 @@ class TextStream:
 
 
 def build_prompt(m, prompt: str, chat: bool, system: str | None) -> list[int]:
-    tok = m.tokenizer
+    from .chat import encode_chat
+
     if not chat:
-        return tok.encode(prompt)
+        return m.tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
-    # a template that writes the BOS token itself must not get a second one
-    bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else None
-    return tok.encode(text, add_special=not (bos and text.startswith(bos)))
+    return encode_chat(m.tokenizer, messages)
 
 
 def print_summary(m) -> None:
@@ -81,7 +79,8 @@ def run(
     repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")] = 64,
     seed: Annotated[int | None, typer.Option("--seed", help="RNG seed for sampling.")] = None,
     ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size).")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template; without -p or "
+                                       "-f, an interactive conversation in the terminal.")] = False,
     system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Activations and dequantised weights: f32, bf16, f16.")] = "f32",
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
@@ -107,6 +106,10 @@ def run(
             if not file.exists():
                 raise PinferError(f"{file}: no such prompt file")
             prompt = file.read_text(encoding="utf-8")
+        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                        repeat_last_n=repeat_last_n, seed=seed)
+        if prompt is None and chat:
+            return run_chat(model, threads, ctx_size, dtype, ffn_act, mode, system, n_predict, sampling)
         if prompt is None:
             raise PinferError("no prompt: pass -p TEXT or -f FILE")
         if n_predict < 0:
@@ -116,8 +119,7 @@ def run(
         m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
         ids = build_prompt(m, prompt, chat, system)
         stream = TextStream(m.tokenizer)
-        gen = m.generate(ids, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+        gen = m.generate(ids, max_tokens=n_predict, **sampling)
         if as_json:
             for tok in gen:
                 stream.push(tok)
@@ -135,6 +137,21 @@ def run(
         print_summary(m)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-run")) from None
+
+
+def run_chat(model, threads, ctx_size, dtype, ffn_act, mode: str, system, n_predict: int, sampling: dict) -> None:
+    from runtime import load_model
+
+    from .chat import chat_loop
+
+    if n_predict < 0:
+        raise PinferError(f"-n must be >= 0, got {n_predict}")
+    m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
+    if not m.tokenizer.chat_template:
+        raise PinferError("this model has no tokenizer.chat_template, so it cannot chat; run without --chat")
+    if sys.stdin.isatty():
+        import readline  # noqa: F401 - line editing and history for input()
+    chat_loop(m, system, n_predict, sampling)
 
 
 def ffn_mode(sparse: bool, dense: bool, oracle: bool) -> str:
