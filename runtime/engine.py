@@ -24,12 +24,17 @@ from formats.errors import PinferError
 from formats.reader import GGUFFile, open_gguf
 from formats.tokenizer import GGUFTokenizer, load_tokenizer
 
+from .linear import GEMM_MIN_ROWS
 from .loader import load_transformer
 from .model import Transformer
 from .sampling import SamplingParams, make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch memory for long prompts
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# Linear layers pick their kernel by row count (from GEMM_MIN_ROWS rows a bf16 GEMM, below it the int4 kernel), and
+# the two round differently. A fresh prefill of that many tokens or more runs them all on the GEMM, so a prompt that
+# reuses the cache still prefills at least that many: it then answers the same greedy tokens as a fresh run.
+REUSE_MIN_PREFILL = GEMM_MIN_ROWS
 
 
 @dataclass
@@ -112,9 +117,10 @@ class Model:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def reusable_prefix(self, ids: Sequence[int]) -> int:
-        """How many leading tokens of `ids` the KV cache already holds, keeping at least one to prefill (its
-        logits pick the first new token)."""
-        n, limit = 0, min(len(self.cached_ids), len(ids) - 1)
+        """How many leading tokens of `ids` the KV cache already holds and may keep: at least one token is left to
+        prefill (its logits pick the first new token), REUSE_MIN_PREFILL if the prompt has that many."""
+        keep = REUSE_MIN_PREFILL if len(ids) >= REUSE_MIN_PREFILL else 1
+        n, limit = 0, min(len(self.cached_ids), len(ids) - keep)
         while n < limit and self.cached_ids[n] == ids[n]:
             n += 1
         return n
@@ -135,7 +141,9 @@ class Model:
         reuse_prefix: keep the keys and values of the longest common prefix of `ids` and what the cache holds from
         the previous call (a chat re-sends the whole conversation each turn) and prefill only the rest, as
         llama.cpp's server does; stats.reused_tokens says how many were kept. Off by default: a single prompt gains
-        nothing and a batch-size-dependent kernel may round differently."""
+        nothing. Kept tokens that were generated (not prefilled) went through the decode kernels, which round
+        differently from a prefill's, so on quantised models a later answer may differ slightly from a fresh run's,
+        as with llama.cpp's cache_prompt."""
         tokens = self._check_ids(ids, extra=1)
         sample = make_sampler(SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed))
         stop_ids = self.tokenizer.stop_ids if stop_ids is None else stop_ids
