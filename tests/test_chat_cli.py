@@ -168,13 +168,13 @@ def test_subprocess_sigint_stops_the_answer_not_the_program(chat_model):
         assert len(got) >= 6, got
         p.send_signal(signal.SIGINT)
         p.stdin.write(b"again\n/exit\n")
-        p.stdin.flush()
-        _, err = p.communicate(timeout=60)
+        p.stdin.close()
+        p.wait(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-    t.join(5)
-    err = err.decode()
+    t.join(5)  # the pump reads stdout to its end; stderr is a few lines, read now
+    err = p.stderr.read().decode()
     assert p.returncode == 0, err
     assert ", stopped]" in err and "interrupted" not in err
     lines = got.decode().split("\n")
