@@ -118,9 +118,11 @@ class ModelWorker:
 
     def _loop(self) -> None:
         if self.threads:
-            # torch's thread count is per calling thread: set it on the thread that runs the model
+            # torch's thread count is per calling thread, and a thread's first torch call sets it from the last
+            # value set anywhere in the process: make that first call here, then set ours on the model's thread
             import torch
 
+            torch.get_num_threads()
             torch.set_num_threads(self.threads)
         while (fn := self._jobs.get()) is not None:
             fn()

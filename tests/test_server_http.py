@@ -120,6 +120,28 @@ def test_conversation_longer_than_the_context(http):
     still_serving(http)
 
 
+def test_context_boundary(http):
+    ok = http.post("/v1/completions", json={"prompt": [5] * 255, "max_tokens": 4}).json()  # room for one token
+    assert ok["usage"]["completion_tokens"] >= 1 and ok["choices"][0]["finish_reason"] == "length"
+    assert_error(http.post("/v1/completions", json={"prompt": [5] * 256}), 400, "context holds 256",
+                 code="context_length_exceeded")
+    still_serving(http)
+
+
+def test_model_runs_on_the_threads_it_was_given(tmp_path):
+    """torch's thread count is per thread: the worker sets -t on itself, whatever the main thread has."""
+    threads = torch.get_num_threads()
+    write_chat_model(tmp_path / "m.gguf")
+    srv, slow = start_server(tmp_path / "m.gguf")  # loads with 1 thread, serves with threads=1
+    try:
+        torch.set_num_threads(2)
+        assert httpx.post(srv.url + CHAT, json=GOOD).status_code == 200
+        assert slow.torch_threads == 1
+    finally:
+        srv.close()
+        torch.set_num_threads(threads)
+
+
 def test_max_tokens_beyond_the_context_is_cut_to_it(http):
     r = http.post("/v1/completions", json={"prompt": "x" * 250, "max_tokens": 100, "temperature": 0}).json()
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["total_tokens"] <= 257

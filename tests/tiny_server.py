@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 import uvicorn
 
 from formats import constants as C
@@ -53,6 +54,7 @@ class SlowModel:
     def _slow(self, gen):
         if self.fail:
             raise RuntimeError("planted failure")
+        self.torch_threads = torch.get_num_threads()  # on the thread that runs the model
         self.runs.append(0)
         for tok in gen:
             self.runs[-1] += 1
