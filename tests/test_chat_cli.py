@@ -104,8 +104,11 @@ def test_ctrl_c_stops_the_answer_not_the_chat(chat_model):
             return first()
 
     out, err = io.StringIO(), io.StringIO()
-    chat_loop(Interrupting(m), None, 8, GREEDY, read=scripted(["hello", KeyboardInterrupt(), "go on"]), out=out,
-              err=err)
+    try:
+        chat_loop(Interrupting(m), None, 8, GREEDY, read=scripted(["hello", KeyboardInterrupt(), "go on"]), out=out,
+                  err=err)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended the chat")
     partial, second = out.getvalue().split("\n")[0], out.getvalue().split("\n")[2]
     msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": partial},
             {"role": "user", "content": "go on"}]

@@ -38,8 +38,9 @@ def one_line_error(args, *needles):
         assert n in lines[0], out
 
 
-def test_bad_port(model):
-    one_line_error([model, "--port", "70000"], "--port must be from 0 to 65535", "70000")
+def test_bad_port(tmp_path):
+    # checked before the model is looked for (a missing one here): the error names the port
+    one_line_error([tmp_path / "nope.gguf", "--port", "70000"], "--port must be from 0 to 65535", "70000")
 
 
 def test_missing_model(tmp_path):

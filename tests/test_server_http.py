@@ -197,6 +197,16 @@ def test_internal_error_is_500_without_traceback(http, served):
     still_serving(http)
 
 
+def test_failure_in_a_handler_is_500_without_traceback(http, monkeypatch):
+    def broken(*a, **kw):
+        raise RuntimeError("planted failure in the handler")
+    monkeypatch.setattr("runtime.server.encode_chat", broken)
+    assert_error(http.post(CHAT, json=GOOD), 500, "internal error", "planted failure in the handler",
+                 code="internal_error")
+    monkeypatch.undo()
+    still_serving(http)
+
+
 def test_api_key(served):
     url = served[2].url
     assert_error(httpx.post(url + CHAT, json=GOOD), 401, "Authorization: Bearer", code="invalid_api_key")
