@@ -35,6 +35,7 @@ from .textgen import TextGeneration
 log = logging.getLogger("pi-serve")
 RETRY_AFTER_S = 2  # what a refused client is told to wait: a few tokens' time frees a place in the queue
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_BODY_BYTES = 16 << 20  # far above any context's worth of text
 
 
 def model_names(m, extra: Sequence[str] = ()) -> list[str]:
@@ -162,7 +163,11 @@ def authorize(request: Request, api_key: str) -> None:
 
 
 async def read_json(request: Request):
-    body = await request.body()
+    body = bytearray()
+    async for chunk in request.stream():  # read in pieces, so an oversized body is refused before it fills memory
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:

@@ -106,6 +106,11 @@ def test_bad_completion_request_is_400(http, body, needle, param):
     still_serving(http)
 
 
+def test_oversized_body_is_413(http):
+    assert_error(http.post(CHAT, content=b" " * (17 << 20)), 413, "larger than 16 MiB")
+    still_serving(http)
+
+
 def test_penalties_of_zero_are_accepted(http):
     r = http.post(CHAT, json=GOOD | {"presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "user": "me"})
     assert r.status_code == 200
