@@ -2,16 +2,27 @@
 
     python benchmarks/decode.py                      # SmolLM2 demo model, 2 threads, 5 interleaved rounds
     python benchmarks/decode.py --model m.gguf --threads 2 --tokens 128 --rounds 7 --json
+    python benchmarks/decode.py --llama-bench /path/to/llama.cpp/build/bin/llama-bench
 
 Each measurement runs in a fresh subprocess (so peak RSS is the engine's own), and the engines alternate within each
-round, so machine noise hits both alike. Reported: medians over rounds, and the median of per-round ratios.
-llama.cpp is measured when llama-cpp-python is installed (pip install 'pinfer[bench]').
+round (the order rotates), so machine noise hits all of a round alike.
+
+THE result is the median over rounds of the per-round ratio pinfer / llama.cpp (paired: both measured in the same
+round); it is printed first. The engines' own medians over rounds are unpaired (each engine's median may come from
+a different round), so on a shared machine they can disagree with the paired ratio (84.3 vs 72.0 tok/s once, while
+the paired ratio was 1.00x): they are printed as context only.
+
+Two llama.cpps: llama-cpp-python (pip install 'pinfer[bench]') drives llama.cpp one token at a time from Python,
+as this script drives pinfer; `--llama-bench PATH` also runs llama.cpp's own C++ benchmark (llama-bench, text
+generation of --tokens tokens after an empty prompt, one repetition per round), which has no Python in its loop.
+This script never builds llama.cpp; without --llama-bench it says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -65,7 +76,23 @@ def worker_llamacpp(model: str, threads: int, tokens: int, prompt: str, extra: d
             "text": llm.detokenize(out).decode(errors="replace")[:80]}
 
 
+def run_llama_bench(args) -> dict:
+    """One run of llama.cpp's llama-bench: text generation of --tokens tokens after an empty prompt, CPU only."""
+    cmd = [args.llama_bench, "-m", args.model, "-t", str(args.threads), "-p", "0", "-n", str(args.tokens), "-r", "1",
+           "-ngl", "0", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"llama-bench failed ({' '.join(cmd)}):\n{(out.stderr or out.stdout)[-2000:]}")
+    tests = [t for t in json.loads(out.stdout) if t.get("n_gen") and not t.get("n_prompt")]
+    if not tests:
+        raise SystemExit(f"llama-bench printed no text-generation result:\n{out.stdout[-2000:]}")
+    return {"decode_tps": float(tests[0]["avg_ts"]), "prompt_tps": None, "load_s": None, "peak_rss_mb": None,
+            "tokens": int(tests[0]["n_gen"]), "text": ""}
+
+
 def run_worker(engine: str, args) -> dict:
+    if engine == "llama-bench":
+        return run_llama_bench(args)
     cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(args.threads),
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--dtype", args.dtype]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -83,6 +110,8 @@ def main() -> None:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary, to run beside the others "
+                    "(never built by this script)")
     ap.add_argument("--worker", choices=["pinfer", "llamacpp"], help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -97,51 +126,72 @@ def main() -> None:
     from runtime.engine import resolve_model_path
 
     args.model = str(resolve_model_path(args.model))
+    engines, missing = ["pinfer"], {}
     try:
         import llama_cpp  # noqa: F401
 
-        engines = ["pinfer", "llamacpp"]
+        engines.append("llamacpp")
     except ImportError:
-        engines = ["pinfer"]
-        print("llama-cpp-python not installed: measuring pinfer only (pip install 'pinfer[bench]')", file=sys.stderr)
+        missing["llamacpp"] = "llama-cpp-python is not installed (pip install 'pinfer[bench]')"
+    if args.llama_bench and not (Path(args.llama_bench).is_file() and os.access(args.llama_bench, os.X_OK)):
+        raise SystemExit(f"--llama-bench {args.llama_bench}: not an executable file")
+    if args.llama_bench:
+        engines.append("llama-bench")
+    else:
+        missing["llama-bench"] = "no --llama-bench PATH given (this script never builds llama.cpp)"
+    for e, why in missing.items():
+        print(f"{e}: not measured: {why}", file=sys.stderr)
 
     rows: dict[str, list[dict]] = {e: [] for e in engines}
-    ratios = []
     for r in range(args.rounds):
-        order = engines if r % 2 == 0 else engines[::-1]
-        res = {e: run_worker(e, args) for e in order}
+        shift = r % len(engines)
+        res = {e: run_worker(e, args) for e in engines[shift:] + engines[:shift]}
         for e in engines:
             rows[e].append(res[e])
-        if "llamacpp" in res:
-            ratios.append(res["pinfer"]["decode_tps"] / res["llamacpp"]["decode_tps"])
         if not args.json:
             print(f"round {r + 1}: " + "  ".join(f"{e} {res[e]['decode_tps']:.1f} tok/s" for e in engines),
                   file=sys.stderr)
 
-    med = lambda e, k: statistics.median(x[k] for x in rows[e])  # noqa: E731
+    paired = {e: [p["decode_tps"] / o["decode_tps"] for p, o in zip(rows["pinfer"], rows[e], strict=True)]
+              for e in engines if e != "pinfer"}
+
+    def med(e, k):
+        vals = [x[k] for x in rows[e] if x[k] is not None]
+        return round(statistics.median(vals), 3) if vals else None
+
+    ratios = {e: {"median": round(statistics.median(v), 3), "per_round": [round(x, 3) for x in v]}
+              for e, v in paired.items()}
     summary = {"model": args.model, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
-               "engines": {e: {k: round(med(e, k), 3) for k in ("decode_tps", "prompt_tps", "load_s", "peak_rss_mb")}
-                           | {"text": rows[e][0]["text"]} for e in engines}}
-    if ratios:
-        summary["decode_ratio_vs_llamacpp"] = round(statistics.median(ratios), 3)
+               "paired_decode_ratio": ratios,
+               "not_measured": missing,
+               "unpaired_medians": {e: {k: med(e, k) for k in ("decode_tps", "prompt_tps", "load_s", "peak_rss_mb")}
+                                    | {"text": rows[e][0]["text"]} for e in engines}}
     if args.json:
         print(json.dumps(summary, indent=2))
         return
+    names = {"llamacpp": "llama.cpp via llama-cpp-python (per-token Python loop)",
+             "llama-bench": "llama.cpp's llama-bench (C++ loop)"}
+    print(f"RESULT: pinfer / llama.cpp decode speed, median of per-round paired ratios over {args.rounds} rounds "
+          f"({Path(args.model).name}, {args.threads} threads, {args.tokens} tokens):")
+    for e in ("llamacpp", "llama-bench"):
+        if e in paired:
+            v = summary["paired_decode_ratio"][e]
+            print(f"  vs {names[e]}: {v['median']:.2f}x  (per round: {', '.join(f'{x:.2f}' for x in v['per_round'])})")
+        else:
+            print(f"  vs {names[e]}: not measured: {missing[e]}")
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"decode, {Path(args.model).name}, {args.threads} threads, {args.tokens} tokens, "
-                    f"median of {args.rounds} rounds")
+    t = Table(title=f"context only: each engine's median over {args.rounds} rounds (unpaired: medians of different "
+                    f"rounds; the paired ratios above are the result)")
     for c in ("engine", "decode tok/s", "prompt tok/s", "load s", "peak RSS MB"):
         t.add_column(c, justify="right" if c != "engine" else "left")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for e in engines:
-        s = summary["engines"][e]
-        t.add_row(e, f"{s['decode_tps']:.1f}", f"{s['prompt_tps']:.1f}", f"{s['load_s']:.2f}",
-                  f"{s['peak_rss_mb']:.0f}")
+        u = summary["unpaired_medians"][e]
+        t.add_row(e, fmt(u["decode_tps"], ".1f"), fmt(u["prompt_tps"], ".1f"), fmt(u["load_s"], ".2f"),
+                  fmt(u["peak_rss_mb"], ".0f"))
     Console().print(t)
-    if ratios:
-        ratio = summary["decode_ratio_vs_llamacpp"]
-        print(f"pinfer / llama.cpp decode speed: {ratio:.2f}x (median of per-round ratios)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """End to end on a planted ReluLLaMA-shaped model: sparse decode (predictors) vs dense decode, and top-1 agreement.
 
-    python benchmarks/e2e_sparse.py                    # makes the model and its predictors on first use (cached)
+    python benchmarks/e2e_sparse.py                    # makes the model and its predictors on first use (cached,
+                                                       # keyed by --shape, --dtype, --sparsity and --recall)
     python benchmarks/e2e_sparse.py --rounds 5 --tokens 32 --json
 
 1. The model: synth with a TinyLlama-like Llama-2 shape (22 layers, d 2048, n_ff 5632, 32 heads, 4 kv
@@ -40,10 +41,48 @@ RESULTS = ROOT / "benchmarks/results"
 PROMPT_TOKENS = 16
 
 
+def default_path(args) -> Path:
+    """The cached model's file name carries every argument that shapes the model or its predictors, so changing one
+    makes (and caches) another model instead of silently reusing the old one."""
+    shape = "x".join(str(int(v)) for v in args.shape.split(","))
+    return RESULTS / f"planted-{shape}-{args.dtype}-s{args.sparsity:g}-r{args.recall:g}.gguf"
+
+
+def mismatches(path: Path, args) -> list[str]:
+    """How an existing model differs from the arguments (what its metadata records), for --model files."""
+    from formats import constants as C
+    from formats.reader import open_gguf
+
+    f = open_gguf(path)
+    n_layer, d, ff, h, hkv = (int(v) for v in args.shape.split(","))
+    have = {"n_layer": f.arch_get(C.BLOCK_COUNT), "n_embd": f.arch_get(C.EMBEDDING_LENGTH),
+            "n_ff": f.arch_get(C.FEED_FORWARD_LENGTH), "n_head": f.arch_get(C.HEAD_COUNT),
+            "n_head_kv": f.arch_get(C.HEAD_COUNT_KV), "sparsity": f.get(C.SYNTH_SPARSITY),
+            "dtype": {0: "f32", 1: "f16"}.get(int(f.tensors[C.tensor(C.FFN_GATE, 0)].ggml_type))
+            if f.has(C.tensor(C.FFN_GATE, 0)) else None,
+            "recall": f.get(C.PRED_RECALL_TARGET)}
+    want = {"n_layer": n_layer, "n_embd": d, "n_ff": ff, "n_head": h, "n_head_kv": hkv, "sparsity": args.sparsity,
+            "dtype": args.dtype, "recall": args.recall}
+    out = []
+    for k, w in want.items():
+        v = have[k]
+        if v is None:
+            continue  # not recorded (the recall before predictors are trained)
+        same = abs(float(v) - float(w)) < 1e-4 if isinstance(w, float) else v == w
+        if not same:
+            out.append(f"{k} {round(float(v), 4) if isinstance(w, float) else v} (asked {w})")
+    return out
+
+
 def ensure_model(path: Path, args) -> None:
     from formats.reader import open_gguf
 
-    if not path.exists():
+    if path.exists():
+        diff = mismatches(path, args)
+        if diff:
+            raise SystemExit(f"{path} was made with other arguments: {', '.join(diff)}; pass matching --shape, "
+                             f"--dtype, --sparsity and --recall, or another --model")
+    else:
         from synth import SynthSpec, generate
 
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +147,8 @@ def agreement(dense, other, ids: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="default: benchmarks/results/planted-1b-r<recall>.gguf")
+    ap.add_argument("--model", type=Path, help="default: benchmarks/results/planted-<shape>-<dtype>-s<sparsity>-"
+                    "r<recall>.gguf, made on first use")
     ap.add_argument("--recall", type=float, default=0.99, help="predictor recall target when training them")
     ap.add_argument("--shape", default="22,2048,5632,32,4", help="n_layer,n_embd,n_ff,n_head,n_head_kv")
     ap.add_argument("--dtype", default="f32", choices=["f32", "f16"])
@@ -121,7 +161,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    args.model = args.model or RESULTS / f"planted-1b-r{round(args.recall * 100)}.gguf"
+    args.model = args.model or default_path(args)
     ensure_model(args.model, args)
     from runtime import load_model
     from runtime.corpus import HELDOUT

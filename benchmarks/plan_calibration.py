@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from planner import calibration  # noqa: E402
 from planner.activations import Activations  # noqa: E402
-from planner.hardware import CPU, Hardware, cpu_bandwidth, cpu_name, detect_cores  # noqa: E402
+from planner.hardware import CPU, Hardware, cpu_name, detect_cores  # noqa: E402
+from planner.machine import cpu_bandwidth, save_calibration, this_cpu_key  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.problem import build_problem  # noqa: E402
 
@@ -129,14 +130,16 @@ def main() -> None:
               flush=True)
     load_after = os.getloadavg()[0]
 
-    key = f"{cpu_name()}|{detect_cores()}"
+    key = this_cpu_key()
     bw = cpu_bandwidth(cpu_name(), detect_cores())
     dense = [s for s in samples if "oracle" not in s.label]
-    cal = calibration.calibrate(key, bw, dense, save_it=not args.no_save)
+    cal = calibration.calibrate(key, bw, dense)
+    if not args.no_save:
+        save_calibration(cal)
     rows = []
     for s, med in zip(samples, medians, strict=True):
         others = [x for x in dense if x is not s]
-        loo = calibration.calibrate(key, bw, others, save_it=False) if s in dense and len(others) >= 2 else None
+        loo = calibration.calibrate(key, bw, others) if s in dense and len(others) >= 2 else None
         rows.append({"run": s.label, "measured_ms": s.seconds * 1e3, "median_ms": med * 1e3,
                      "predicted_ms": cal.predict(s) * 1e3, "leave_one_out_ms": loo.predict(s) * 1e3 if loo else None,
                      "in_fit": s in dense, "cpu_mb": s.cpu_bytes / 1e6, "ops": s.cpu_ops})

@@ -1,4 +1,5 @@
-"""Plan quality against the baselines, for every GPU in the table and every skeleton shape, at full size.
+"""Plan quality against the baselines, for every GPU in the table and every skeleton shape, at full size: cost-model
+PREDICTIONS on synthetic statistics, not measurements.
 
     python benchmarks/plan_quality.py                           # all shapes x q4_0,f16 x all GPUs (~10 min)
     python benchmarks/plan_quality.py --shapes llama2-70b --quants q4_0 --gpus rtx4090,t4 --json
@@ -7,6 +8,14 @@ Per (shape, quant, GPU): predicted tokens/s of the plan (time objective) and of 
 the hot-mass objective against PowerInfer's. Checked (issue 4): the plan is never slower than any baseline that fits,
 never over its budget, and the hot-mass objective reaches at least PowerInfer's hot mass. Printed at the end: how
 many rows pass, and the median and geometric-mean speed-ups over llama.cpp-style layers and over PowerInfer.
+
+What the numbers are: every tokens/s here is the planner's own cost model (planner/costmodel.py) evaluated on a
+skeleton's synthetic power-law statistics; nothing runs on a GPU. "No slower than any baseline" holds largely by
+construction: the solver starts from the best of the baselines (and its own heuristic) and returns that start when
+the ILP's polished answer is not better, so a failure here means a bug, not a finding. The speed-ups measure how
+much the ILP improves on the baselines *under the cost model*; whether the cost model predicts real time is a
+separate question (benchmarks/plan_calibration.py checks its CPU side against pi-run; the GPU side needs the GPU
+runtime, which will measure the hybrid engine's own time per placement).
 """
 
 from __future__ import annotations
@@ -53,8 +62,8 @@ def main() -> None:
                         rows.append({"shape": shape, "quant": quant, "gpu": gpu, "error": str(exc)})
                         continue
                     bl = all_baselines(p)
-                    sol = solve(p, "time")
-                    hot = solve(p, "hot-mass", fixed_dense=bl["powerinfer"].plan)
+                    sol = solve(p, "time", baselines=bl)
+                    hot = solve(p, "hot-mass", fixed_dense=bl["powerinfer"].plan, baselines=bl)
                     ev = sol.evaluation
                     tps = {k: (1 / b.time if b.time else None) for k, b in bl.items()}
                     row = {"shape": shape, "quant": quant, "gpu": gpu, "tokens_per_s": ev.tokens_per_s,
@@ -75,7 +84,8 @@ def main() -> None:
                               f"  {row['solve_s']:.1f} s", flush=True)
     good = [r for r in rows if "error" not in r]
     passed = [r for r in good if r["not_slower"] and r["within_budget"] and r["fits"] and r["hot_mass_ok"]]
-    summary = {"rows": len(rows), "solved": len(good), "passed": len(passed),
+    summary = {"what": "cost-model predictions on synthetic statistics (not measurements); no-slower-than-baselines "
+                       "holds by construction", "rows": len(rows), "solved": len(good), "passed": len(passed),
                "errors": [f"{r['shape']} {r['quant']} {r['gpu']}: {r['error']}" for r in rows if "error" in r]}
     for base in ("layers", "powerinfer"):
         ratios = [r["tokens_per_s"] / r["baselines"][base] for r in good if r["baselines"][base]]
@@ -87,14 +97,19 @@ def main() -> None:
     if args.json:
         print(json.dumps({"summary": summary, "rows": rows}, indent=1))
     else:
-        print(f"\n{summary['passed']}/{summary['solved']} solved rows pass (plan <= every baseline, within budget, "
+        print("\nAll figures are cost-model predictions on synthetic statistics, not measurements; 'no slower than "
+              "any baseline' holds by construction (the solve starts from the best baseline and returns it when it "
+              "is not beaten).")
+        print(f"{summary['passed']}/{summary['solved']} solved rows pass (plan <= every baseline, within budget, "
               f"hot mass >= PowerInfer's); {len(summary['errors'])} rows cannot be placed at all")
         for e in summary["errors"]:
             print("  ", e)
         for base in ("layers", "powerinfer"):
             s = summary[f"speedup_{base}"]
-            print(f"speed-up over {base}: median {s['median']:.2f}x, geomean {s['geomean']:.2f}x, max {s['max']:.2f}x;"
-                  f" median where the model does not fit the GPU {s['median_when_model_does_not_fit']:.2f}x")
+            split = s["median_when_model_does_not_fit"]
+            print(f"predicted speed-up over {base}: median {s['median']:.2f}x, geomean {s['geomean']:.2f}x, max "
+                  f"{s['max']:.2f}x; median where the model does not fit the GPU "
+                  + (f"{split:.2f}x" if split is not None else "n/a (it fits everywhere)"))
 
 
 if __name__ == "__main__":

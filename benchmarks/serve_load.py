@@ -11,8 +11,8 @@ prefix cache.
 3. A TURNS-turn conversation (each turn re-sends the whole conversation), once with the prefix cache and once with
    cache_prompt false: per turn, prompt and reused tokens, time to first token, decode tokens/s, and whether the
    answer equals Model.generate's on that history. Without the cache it must; with it, the earlier answers' keys
-   and values came from decode steps, whose int4 kernel rounds differently from a prefill's GEMM, so a quantised
-   model may answer slightly differently (as with llama.cpp's cache_prompt).
+   and values came from decode steps, which round differently from a prefill's GEMM, so a quantised model may
+   answer slightly differently (as with llama.cpp's cache_prompt).
 The server's VmRSS is sampled from /proc every 0.2 s throughout; it should stay flat after the warm-up.
 Every request has a timeout and the run stops by itself; it talks to 127.0.0.1 only.
 """

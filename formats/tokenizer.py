@@ -100,14 +100,15 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
     types = _get(f, C.TOKENIZER_TOKEN_TYPE)
     types = np.asarray(types) if types is not None else np.full(len(tokens), C.TOKEN_TYPE_NORMAL)
     if kind == "gpt2":
-        tok = _bpe_tokenizer(tokens, _get(f, C.TOKENIZER_MERGES, []), str(_get(f, C.TOKENIZER_PRE, "default")))
+        tok = _library(path, _bpe_tokenizer, tokens, _get(f, C.TOKENIZER_MERGES, []),
+                       str(_get(f, C.TOKENIZER_PRE, "default")))
         default_add_bos = False
     elif kind == "llama":
         scores = _get(f, C.TOKENIZER_SCORES)
         if scores is None:
             raise PinferError(f"{path}: SentencePiece vocabulary without tokenizer.ggml.scores")
-        tok = _spm_tokenizer(tokens, np.asarray(scores, dtype=np.float32), types,
-                             bool(_get(f, C.TOKENIZER_ADD_SPACE_PREFIX, True)))
+        tok = _library(path, _spm_tokenizer, tokens, np.asarray(scores, dtype=np.float32), types,
+                       bool(_get(f, C.TOKENIZER_ADD_SPACE_PREFIX, True)))
         default_add_bos = True
     else:
         raise PinferError(f"{path}: tokenizer type '{kind}' is not supported (only 'gpt2' BPE and 'llama' "
@@ -126,6 +127,17 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
     return GGUFTokenizer(tok, None if bos is None else int(bos), None if eos is None else int(eos),
                          bool(_get(f, C.TOKENIZER_ADD_BOS, default_add_bos)), bool(_get(f, C.TOKENIZER_ADD_EOS, False)),
                          len(tokens), _get(f, C.TOKENIZER_CHAT_TEMPLATE), stop, list(tokens))
+
+
+def _library(path, build, *args) -> Tokenizer:
+    """build(*args) with what the `tokenizers` library rejects (it raises plain Exception, TypeError or ValueError,
+    sometimes over several lines) turned into one line that names the file."""
+    try:
+        return build(*args)
+    except Exception as e:  # noqa: BLE001 - whatever the library raises about the vocabulary
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise PinferError(f"{path}: the tokenizer library rejects the file's vocabulary ({why}); its tokenizer.ggml.* "
+                          f"metadata is damaged") from None
 
 
 def _bpe_tokenizer(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:

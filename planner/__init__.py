@@ -1,7 +1,9 @@
 """pi-plan: where every FFN neuron and dense block of a model lives, GPU(s) or CPU, for the fastest predicted decoding.
 
 One concern per module:
-    hardware     GPU table (gpus.toml), CPU detection and its cached bandwidth, --hw files
+    hardware     GPU table (gpus.toml), CPU detection, --hw files
+    machine      this machine: the cache (measured CPU bandwidth, calibrations) and resolve_hardware, above
+                 hardware, calibration and costmodel (it imports them, they never import it)
     memory       byte accounting from tensor shapes and types (real files and skeletons alike)
     activations  per-neuron activation frequencies (pi-profile's act_counts, PowerInfer's activation/ dirs)
     problem      one model on one machine: bytes, frequency-sorted prefixes, costs, budgets

@@ -6,8 +6,8 @@ The model predicts a CPU-only token as
 
 where cpu_bytes and cpu_ops come from the cost model for the model and plan that ran (costmodel.cpu_work). Given
 measured seconds per token for a few runs (different models, sparsities, contexts), `fit` finds the three constants
-by non-negative least squares; `calibrate` stores them in the cache under the CPU's key, and
-hardware.resolve_hardware applies them whenever it plans for this machine's own, undetailed CPU.
+by non-negative least squares. machine.py stores a calibration in the cache under the CPU's key and
+machine.resolve_hardware applies it whenever it plans for this machine's own, undetailed CPU.
 benchmarks/plan_calibration.py measures and fits.
 """
 
@@ -20,9 +20,6 @@ from datetime import UTC, datetime
 import numpy as np
 
 from .costmodel import cpu_work
-from .hardware import CPU, read_cache, write_cache
-
-CACHE = "calibration.json"
 
 
 @dataclass
@@ -83,44 +80,8 @@ def fit(samples: list[Sample]) -> tuple[float, float, float]:
     return float(best[0]), float(best[1]), float(best[2])
 
 
-def calibrate(cpu_key: str, measured_bw_gbs: float, samples: list[Sample], save_it: bool = True) -> Calibration:
+def calibrate(cpu_key: str, measured_bw_gbs: float, samples: list[Sample]) -> Calibration:
+    """Fit `samples`; machine.save_calibration stores the result for resolve_hardware to apply."""
     per_byte, per_op, per_token = fit(samples)
-    cal = Calibration(cpu_key, 1e-9 / per_byte if per_byte > 0 else measured_bw_gbs, per_op * 1e6, per_token * 1e6,
-                      measured_bw_gbs, datetime.now(UTC).isoformat(timespec="seconds"),
-                      [asdict(s) for s in samples])
-    if save_it:
-        save(cal)
-    return cal
-
-
-def save(cal: Calibration) -> None:
-    data = read_cache(CACHE)
-    data[cal.cpu_key] = cal.to_dict()
-    write_cache(CACHE, data)
-
-
-def load(cpu_key: str) -> Calibration | None:
-    d = read_cache(CACHE).get(cpu_key)
-    if not d:
-        return None
-    try:
-        return Calibration(**d)
-    except TypeError:
-        return None  # written by another layout: ignore it
-
-
-def forget(cpu_key: str) -> None:
-    data = read_cache(CACHE)
-    if data.pop(cpu_key, None) is not None:
-        write_cache(CACHE, data)
-
-
-def apply_calibration(cpu: CPU) -> None:
-    """Use the fitted constants for this CPU, if any (only called for this machine's own detected CPU)."""
-    cal = load(cpu.key)
-    if cal is None:
-        return
-    cpu.bw_efficiency = cal.bw_gbs / cpu.mem_bw_gbs
-    cpu.op_us = cal.op_us
-    cpu.token_us = cal.token_us
-    cpu.calibrated = True
+    return Calibration(cpu_key, 1e-9 / per_byte if per_byte > 0 else measured_bw_gbs, per_op * 1e6, per_token * 1e6,
+                       measured_bw_gbs, datetime.now(UTC).isoformat(timespec="seconds"), [asdict(s) for s in samples])

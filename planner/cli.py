@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,10 @@ from formats.reader import open_gguf
 from . import report as out
 from .activations import load_activations
 from .baselines import Baseline, all_baselines
-from .hardware import Hardware, gpu_table, lookup_gpu, resolve_hardware
+from .hardware import Hardware, gpu_table, lookup_gpu
 from .ilp import OBJECTIVES, SOLVERS, Solution, solve
-from .memory import account
+from .machine import resolve_hardware
+from .memory import account, check_ctx_size
 from .planfile import copy_plan, export_gpuidx, fingerprint, gpuidx_path, plan_metadata, read_plan, write_plan
 from .problem import DEFAULT_GROUP, KV_TYPES, Problem, build_problem
 
@@ -67,13 +69,14 @@ def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, 
         raise PinferError("no GPU given: pass --gpu NAME (see `pi-plan gpus`) or a --hw file with a [[gpu]] table")
     if objective not in OBJECTIVES:
         raise PinferError(f"unknown --objective '{objective}' (one of {', '.join(OBJECTIVES)})")
+    check_ctx_size(ctx_size)
     f = open_gguf(model)
     p = build_problem(f, hw, ctx_size=ctx_size, act_dir=act_dir, act_tokens=act_tokens, group=group,
                       kv_type=kv_type)
     baselines = all_baselines(p)
     fixed = baselines["powerinfer"].plan if objective == "hot-mass" else None
     with status(f"solving the placement ILP ({p.model.n_layer} layers, {solver})"):
-        sol = solve(p, objective, solver, time_limit, gap, fixed_dense=fixed, exact=exact)
+        sol = solve(p, objective, solver, time_limit, gap, fixed_dense=fixed, exact=exact, baselines=baselines)
     if not sol.evaluation.fits:  # the ILP's constraints make this impossible; never write such a plan
         raise PinferError(f"internal: the solved plan does not fit ({'; '.join(sol.evaluation.problems)})")
     fp = fingerprint(f)
@@ -100,7 +103,8 @@ def compare_gpus(model: str | Path, gpus: list[str], *, hw_options: dict | None 
     """One row per GPU (or `a+b` for several GPUs in one host), all with the same CPU. Writes nothing."""
     if not gpus:
         raise PinferError("compare needs at least one --gpu NAME (see `pi-plan gpus`)")
-    specs = [[n for n in spec.split("+") if n] for spec in gpus]
+    check_ctx_size(ctx_size)
+    specs = [gpu_spec(spec) for spec in gpus]
     for names in specs:  # every name first, so a typo fails before minutes of solving
         for n in names:
             lookup_gpu(n)
@@ -121,7 +125,7 @@ def compare_gpus(model: str | Path, gpus: list[str], *, hw_options: dict | None 
             p = build_problem(f, hw, ctx_size=ctx_size, act_dir=act_dir, act_tokens=act_tokens, group=group,
                               kv_type=kv_type)
             baselines = all_baselines(p)
-            sol = solve(p, "time", solver, time_limit, gap)
+            sol = solve(p, "time", solver, time_limit, gap, baselines=baselines)
             rows.append(out.compare_row(label, p, sol, baselines))
         except PinferError as exc:
             # Problems with the model or the options stop the comparison; one GPU being too small does not.
@@ -134,6 +138,15 @@ def compare_gpus(model: str | Path, gpus: list[str], *, hw_options: dict | None 
             "cpu": f"{cpu.cores}-core CPU at {cpu.mem_bw_gbs:.0f} GB/s, {cpu.host_ram_gib:.0f} GiB"
                    + (" (calibrated)" if cpu.calibrated else ""),
             "rows": rows}
+
+
+def gpu_spec(spec: str) -> list[str]:
+    """`NAME` or `NAME+NAME+...` (several GPUs in one host) as a list of names; empty names are an error."""
+    names = [n.strip() for n in spec.split("+")]
+    if not all(names):
+        raise PinferError(f"--gpu '{spec}' has an empty GPU name; write NAME, or NAME+NAME for GPUs in one host "
+                          f"(see `pi-plan gpus`)")
+    return names
 
 
 def show_plan(model: str | Path) -> dict:
@@ -160,7 +173,7 @@ def _errors(verbose: bool):
     """Every failure becomes one line on stderr and a non-zero exit (a traceback only with --verbose)."""
     try:
         yield
-    except (typer.Exit, typer.Abort):
+    except (typer.Exit, typer.Abort, SystemExit):  # SystemExit: SIGTERM, see main
         raise
     except BaseException as exc:  # noqa: BLE001 - the CLI boundary reports everything
         raise typer.Exit(report(exc, verbose, prog=PROG)) from None
@@ -231,6 +244,7 @@ def plan_cmd(
 ):
     """Plan one machine: solve, write the plan into the GGUF, print the per-layer table and a summary."""
     with _errors(verbose):
+        check_ctx_size(ctx_size)  # before resolve_hardware, which may measure the CPU
         opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         machine = resolve_hardware(gpu, **opts)
         result = plan_model(model, machine, ctx_size=ctx_size, act_dir=activations, act_tokens=act_tokens,
@@ -332,6 +346,8 @@ def show_cmd(model: Annotated[Path, typer.Argument(help="a planned GGUF")], json
                     "fingerprint"):
             if f"pinfer.plan.{key}" in meta:
                 c.print(f"{key}: {meta[f'pinfer.plan.{key}']}")
+            elif key == "gap" and "pinfer.plan.solver_status" in meta:
+                c.print("gap: unknown")
 
 
 @app.command("apply")
@@ -371,15 +387,14 @@ def calibration_cmd(reset: Annotated[bool, typer.Option("--reset", help="forget 
                     json_out: JsonOpt = False, verbose: VerboseOpt = False):
     """This machine's CPU calibration (fitted from pi-run timings by benchmarks/plan_calibration.py)."""
     with _errors(verbose):
-        from .calibration import forget, load
-        from .hardware import cpu_name, detect_cores
+        from .machine import forget_calibration, load_calibration, this_cpu_key
 
-        key = f"{cpu_name()}|{detect_cores()}"
+        key = this_cpu_key()
         if reset:
-            forget(key)
+            forget_calibration(key)
             print(f"forgot the calibration of {key}")
             return
-        cal = load(key)
+        cal = load_calibration(key)
         if cal is None:
             print(f"no calibration for {key}; run benchmarks/plan_calibration.py")
             return
@@ -395,8 +410,17 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+def _terminated(signum, frame):
+    """SIGTERM becomes an exception, so that what is being written or solved is cleaned up on the way out (the
+    solver's temporary files, a half-written GGUF); a second SIGTERM ends the process at once."""
+    signal.signal(signum, signal.SIG_DFL)
+    print(f"{PROG}: terminated", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+    signal.signal(signal.SIGTERM, _terminated)
     app(args=args, prog_name=PROG)
 
 

@@ -1,9 +1,9 @@
 """What the planner knows about a machine: GPUs from the built-in table (gpus.toml), the CPU detected or given, and
 the constants of the engine that runs on them.
 
-Precedence, lowest first: built-in table and detection < a `--hw` TOML file < command-line flags. The CPU's memory
-bandwidth is measured once by streaming a 256 MiB buffer through all cores and cached (see `cache_dir`), so planning
-never waits on it twice.
+Precedence, lowest first: built-in table and detection < a `--hw` TOML file < command-line flags; machine.py puts
+them together (resolve_hardware) and caches what is measured here (the CPU's memory bandwidth, by streaming a 256 MiB
+buffer through all cores), so planning never waits on it twice.
 
 A `--hw` file (every section and key optional; unknown keys are errors, so typos do not pass silently):
 
@@ -48,7 +48,6 @@ import platform
 import time
 import tomllib
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
 
@@ -138,34 +137,6 @@ def lookup_gpu(name: str) -> GPU:
 
 # --- the CPU ------------------------------------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    """Where measured bandwidths and calibrations live: $PINFER_CACHE_DIR, else $XDG_CACHE_HOME/pinfer."""
-    if os.environ.get("PINFER_CACHE_DIR"):
-        return Path(os.environ["PINFER_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pinfer"
-
-
-def read_cache(name: str) -> dict:
-    path = cache_dir() / name
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def write_cache(name: str, data: dict) -> None:
-    """Best effort: a read-only home must not stop planning."""
-    path = cache_dir() / name
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -207,18 +178,6 @@ def measure_cpu_bandwidth(cores: int, mib: int = 256, repeats: int = 5) -> float
         return x.numel() * 4 / best / 1e9
     finally:
         torch.set_num_threads(threads)
-
-
-def cpu_bandwidth(name: str, cores: int) -> float:
-    """Measured once per CPU and core count, then read from the cache."""
-    key = f"{name}|{cores}"
-    cached = read_cache("cpu.json")
-    if key in cached:
-        return float(cached[key]["mem_bw_gbs"])
-    bw = measure_cpu_bandwidth(cores)
-    cached[key] = {"mem_bw_gbs": round(bw, 2), "measured": datetime.now(UTC).isoformat(timespec="seconds")}
-    write_cache("cpu.json", cached)
-    return bw
 
 
 # --- the --hw file ------------------------------------------------------------------------------------------------
@@ -293,54 +252,3 @@ def load_hw_file(path: str | os.PathLike) -> dict:
             raise PinferError(f"{path}: GPU '{g['name']}' pcie_gen must be one of {sorted(PCIE_LANE_GBS)}")
         spec["gpus"].append(GPU(**base))
     return spec
-
-
-# --- putting it together ------------------------------------------------------------------------------------------
-
-def resolve_hardware(gpus: list[str] | None = None, *, vram_budget_gib: float | None = None,
-                     pcie_bw_gbs: float | None = None, cpu_cores: int | None = None, cpu_bw_gbs: float | None = None,
-                     host_ram: float | None = None, hw_file: str | os.PathLike | None = None,
-                     calibration: bool = True) -> Hardware:
-    """Hardware from the table, an optional --hw file and flags (in that order of precedence)."""
-    spec = load_hw_file(hw_file) if hw_file else {"cpu": {}, "pcie": {}, "engine": {}, "gpus": []}
-    gpu_list = [lookup_gpu(n) for n in gpus] if gpus else list(spec["gpus"])
-    for name, value in (("--vram-budget", vram_budget_gib), ("--pcie-bw", pcie_bw_gbs), ("--cpu-cores", cpu_cores),
-                        ("--cpu-bw", cpu_bw_gbs), ("--host-ram", host_ram)):
-        if value is not None and value <= 0:
-            raise PinferError(f"{name} must be positive, got {value}")
-    if vram_budget_gib is not None:
-        for g in gpu_list:
-            g.vram_budget_gib = vram_budget_gib
-    for g in gpu_list:
-        if g.vram_budget_gib is not None and g.vram_budget_gib > g.vram_gib:
-            raise PinferError(f"VRAM budget {g.vram_budget_gib:g} GiB exceeds the {g.vram_gib:g} GiB of {g.name}")
-
-    c = dict(spec["cpu"])
-    if cpu_cores is not None:
-        c["cores"] = cpu_cores
-    if cpu_bw_gbs is not None:
-        c["mem_bw_gbs"] = cpu_bw_gbs
-    if host_ram is not None:
-        c["host_ram_gib"] = host_ram
-    detected = not c  # nothing given: this machine's CPU, the only one a calibration can describe
-    c.setdefault("name", cpu_name())
-    c.setdefault("cores", detect_cores())
-    if "mem_bw_gbs" not in c:
-        c["mem_bw_gbs"] = cpu_bandwidth(c["name"], c["cores"])
-    c.setdefault("host_ram_gib", host_ram_gib())
-    cpu = CPU(**c)
-    if detected and calibration:
-        from .calibration import apply_calibration
-
-        apply_calibration(cpu)
-
-    hw = Hardware(cpu=cpu, gpus=gpu_list)
-    if spec["pcie"].get("bw_gbs") is not None:
-        hw.pcie_bw_gbs = spec["pcie"]["bw_gbs"]
-    if pcie_bw_gbs is not None:
-        hw.pcie_bw_gbs = pcie_bw_gbs
-    if "latency_us" in spec["pcie"]:
-        hw.pcie_latency_us = spec["pcie"]["latency_us"]
-    for key, value in spec["engine"].items():
-        setattr(hw, key, value)
-    return hw

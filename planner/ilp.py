@@ -38,18 +38,21 @@ import dataclasses
 import math
 import os
 import re
+import shutil
+import signal
 import sys
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pulp
 
 from formats.errors import PinferError
 
-from .baselines import all_baselines
+from .baselines import Baseline, all_baselines
 from .costmodel import Evaluation, evaluate, ffn_times
 from .plan import CPU, Plan
 from .problem import Problem
@@ -67,8 +70,8 @@ class Solution:
     evaluation: Evaluation
     objective: str
     solver: str
-    status: str  # "optimal", or "time limit" with a feasible solution
-    gap: float  # relative optimality gap of the ILP at the end (0: proven optimal)
+    status: str  # "optimal" (within the requested gap), or "time limit" with a feasible solution
+    gap: float | None  # upper bound on the ILP's relative optimality gap for the plan returned; None: unknown
     ilp_value: float  # the ILP's objective: microseconds per token, or expected active GPU neurons per token
     build_s: float
     solve_s: float
@@ -78,8 +81,10 @@ class Solution:
 
 
 def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: float = 30.0, gap: float = 1e-3,
-          threads: int | None = None, fixed_dense: Plan | None = None, exact: bool = False) -> Solution:
-    """Build, solve and check the ILP; return the polished plan with its evaluation."""
+          threads: int | None = None, fixed_dense: Plan | None = None, exact: bool = False,
+          baselines: dict[str, Baseline] | None = None) -> Solution:
+    """Build, solve and check the ILP; return the polished plan with its evaluation. `baselines` (all_baselines(p),
+    which the caller usually has already) seed the solver's start."""
     if objective not in OBJECTIVES:
         raise PinferError(f"unknown --objective '{objective}' (one of {', '.join(OBJECTIVES)})")
     if objective == "hot-mass" and fixed_dense is None:
@@ -89,37 +94,51 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
         return Solution(plan, evaluate(p, plan), objective, solver, "optimal", 0.0, 0.0, 0.0, 0.0, 0, 0,
                         ["no GPU: everything on the CPU"])
     t0 = time.perf_counter()
-    start = _start_plan(p, solver, time_limit, gap, threads) if objective == "time" and not exact else None
+    start = None
+    if objective == "time" and not exact:
+        start = _start_plan(p, solver, time_limit, gap, threads, all_baselines(p) if baselines is None else baselines)
     prob, v = build_model(p, objective, fixed_dense, exact)
+    start_value = None
     if start is not None:
         set_start(p, v, start)
+        start_value = float(pulp.value(prob.objective))
     # One GPU: the root LP is tight, and with a good start CBC's own heuristics and cuts only cost time. Several GPUs:
     # the layer_on binaries leave the root LP ~1% loose and CBC needs its cuts to close it.
     engine = _solver(solver, time_limit, gap, threads, warm_start=start is not None, lean=p.n_gpus == 1)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pi-plan-") as tmp:
-        log_path = os.path.join(tmp, "cbc.log")
-        if solver == "cbc":
-            engine.optionsDict["logPath"] = log_path
+    with solver_files() as tmp:
+        engine.tmpDir = tmp  # PuLP's .mps/.mst/.sol files
         try:
             with _quiet_stdout(solver == "highs"):
                 prob.solve(engine)
         except pulp.PulpSolverError as exc:
             raise PinferError(f"solver {solver} failed: {exc}") from None
         solve_s = time.perf_counter() - t0
-        bound_gap = _gap(prob, solver, log_path)
-    status = _checked_status(prob, solver, time_limit)
-    value = float(pulp.value(prob.objective) or 0.0)
-    plan = _polish(p, v, objective)
-    ev = evaluate(p, plan)
-    notes = []
-    if start is not None:  # CBC started from it, so it can only be better by the polish's last-neuron rounding
-        start_ev = evaluate(p, start)
-        if start_ev.time < ev.time:
-            plan, ev = dataclasses.replace(start, name=plan.name), start_ev
+        status = _checked_status(prob)
+        notes = []
+        if status is None:  # stopped before it found a solution of its own
+            if start is None:
+                raise PinferError(f"{solver} found no solution within {time_limit:g} s (status "
+                                  f"{pulp.LpStatus.get(prob.status, prob.status)}); raise --time-limit or a coarser "
+                                  f"--group")
+            status, incumbent = "time limit", None
+            plan, ev, value = dataclasses.replace(start, name="ilp"), evaluate(p, start), start_value
+            notes.append(f"{solver} found nothing better than its start within the time limit")
+        else:
+            incumbent = float(pulp.value(prob.objective))
+            plan, value = _polish(p, v, objective), incumbent
+            ev = evaluate(p, plan)
+            if start is not None:  # the solver started from it: better only by the polish's last-neuron rounding
+                start_ev = evaluate(p, start)
+                if start_ev.time < ev.time:
+                    plan, ev, value = dataclasses.replace(start, name=plan.name), start_ev, start_value
+        # last: solving the relaxation overwrites the variables' values
+        bound_gap = _gap(prob, solver, status, gap, incumbent, value,
+                         relaxation=lambda: _relaxation_bound(prob, tmp, time_limit, threads))
     if status != "optimal":
-        notes.append(f"{solver} stopped at the {time_limit:g} s time limit with gap {bound_gap:.2%}")
+        known = f"gap at most {bound_gap:.2%}" if bound_gap is not None else "gap unknown"
+        notes.append(f"{solver} stopped at the {time_limit:g} s time limit ({known})")
     return Solution(plan, ev, objective, solver, status, bound_gap, value, build_s, solve_s,
                     len(prob.variables()), prob.numConstraints(), notes)
 
@@ -127,7 +146,8 @@ def solve(p: Problem, objective: str = "time", solver: str = "cbc", time_limit: 
 COARSE_STEPS = 3  # breakpoints per doubling of the neuron count in the coarse model that seeds a fine one
 
 
-def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads: int | None) -> Plan | None:
+def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads: int | None,
+                baselines: dict[str, Baseline]) -> Plan | None:
     """A good integer solution for the solver to start from, or None.
 
     The Lagrangian heuristic (warmstart.py) is near-optimal when layers differ, but where many alike layers tie
@@ -136,12 +156,13 @@ def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads:
     same model with breakpoints spaced geometrically (every group at the hot end, where the prefix-mass curve bends
     most, then COARSE_STEPS per doubling), ~20x fewer rows. Its polished plan is a valid start for the fine model.
     """
-    candidates = [heuristic_plan(p)] + [b.plan for b in all_baselines(p).values() if b.time is not None]
+    candidates = [heuristic_plan(p)] + [b.plan for b in baselines.values() if b.time is not None]
     if p.n_gpus == 1 and p.bounds is None and max(len(p.breakpoints(l)) for l in range(p.model.n_layer)) > 64:
         coarse = dataclasses.replace(p, bounds=[_geometric(p.breakpoints(l)) for l in range(p.model.n_layer)])
         with contextlib.suppress(PinferError):
             # only a start: a short leash, the fine solve gets the user's time limit
-            candidates.append(solve(coarse, "time", solver, min(time_limit / 3, 10.0), gap, threads).plan)
+            candidates.append(solve(coarse, "time", solver, min(time_limit / 3, 10.0), gap, threads,
+                                    baselines=baselines).plan)
     best, best_time = None, math.inf
     for plan in candidates:
         if plan is None:
@@ -187,6 +208,7 @@ class Vars:
     m_split: dict
     ffn_time: dict
     split: dict
+    layer_on: dict  # several GPUs only: the one GPU a layer's GPU parts share
 
 
 def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = None,
@@ -231,6 +253,7 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
     prob += pulp.lpSum(out_on[d] for d in devices) == 1, "output_placed"
 
     # Several GPUs: a layer's GPU parts share one GPU (as llama.cpp splits layers), so a split costs one sync.
+    layer_on = {}
     if p.n_gpus > 1:
         layer_on = prob.add_variable_dicts("layer_on", lg, cat="Binary")
         for l in layers:
@@ -307,7 +330,8 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
             + pulp.lpSum(c.sync[l, g] * split[l, g] for l, g in lg)) + pulp.lpSum(ffn_time[l] for l in layers)
     else:
         prob += pulp.lpSum(m_split[l, g] + M[l] * full[l, g] for l, g in lg)
-    return prob, Vars(attn_on, pred_on, out_on, cpu_ffn, full, split_mode, n_split, m_split, ffn_time, split)
+    return prob, Vars(attn_on, pred_on, out_on, cpu_ffn, full, split_mode, n_split, m_split, ffn_time, split,
+                      layer_on)
 
 
 def _prefix_rows(prob: pulp.LpProblem, l: int, per_gpu: list, prefix: np.ndarray, bounds: np.ndarray) -> None:
@@ -336,7 +360,7 @@ def set_start(p: Problem, v: Vars, plan: Plan) -> None:
     J = p.n_gpus
     for var in (*v.attn_on.values(), *v.pred_on.values(), *v.out_on.values(), *v.cpu_ffn.values(),
                 *v.full.values(), *v.split_mode.values(), *v.n_split.values(), *v.m_split.values(),
-                *v.ffn_time.values(), *v.split.values()):
+                *v.ffn_time.values(), *v.split.values(), *v.layer_on.values()):
         var.setInitialValue(0)
     v.out_on[plan.output].setInitialValue(1)
     for l, lb in enumerate(m.layers):
@@ -364,6 +388,8 @@ def set_start(p: Problem, v: Vars, plan: Plan) -> None:
         for h in range(1, J + 1):
             if h in used and CPU in used:
                 v.split[l, h].setInitialValue(1)
+            if h in used and (l, h) in v.layer_on:
+                v.layer_on[l, h].setInitialValue(1)
 
 
 def _prefix_groups(prob, l, gpus, n_split, m_split, split_mode, prefix: np.ndarray, bounds: np.ndarray) -> None:
@@ -432,8 +458,9 @@ def _quiet_stdout(enabled: bool):
         os.close(devnull)
 
 
-def _checked_status(prob: pulp.LpProblem, solver: str, time_limit: float) -> str:
-    """Never use a result that is not a feasible integer solution."""
+def _checked_status(prob: pulp.LpProblem) -> str | None:
+    """"optimal", "time limit" (a feasible integer solution) or None (none found in time). Never use a result that
+    is not a feasible integer solution."""
     if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
         raise PinferError("infeasible: no placement fits the VRAM budget(s) and host RAM (parts cannot be split "
                           "finely enough); raise --vram-budget or --host-ram, or lower --ctx-size")
@@ -441,25 +468,105 @@ def _checked_status(prob: pulp.LpProblem, solver: str, time_limit: float) -> str
         return "optimal"
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:
         return "time limit"
-    raise PinferError(f"{solver} found no solution within {time_limit:g} s (status "
-                      f"{pulp.LpStatus.get(prob.status, prob.status)}); raise --time-limit or a coarser --group")
+    return None
 
 
-def _gap(prob: pulp.LpProblem, solver: str, log_path: str) -> float:
-    """Relative gap between the best solution and the best bound, as the solver reported them."""
+def _gap(prob: pulp.LpProblem, solver: str, status: str, tol: float, incumbent: float | None, value: float,
+         relaxation) -> float | None:
+    """An upper bound on the relative optimality gap of `value`, the ILP objective of the plan returned, with the
+    bound taken from the solver (never from its log); None when the solver gives none.
+
+    HiGHS reports its best bound (info.mip_dual_bound). CBC's command line writes only a status and its incumbent:
+    "Optimal" means it stopped with the incumbent within `tol` of the larger of it and the best bound (its ratioGap
+    rule), which bounds the best bound; after a time limit the bound is the LP relaxation's optimum, from a second
+    solve (`relaxation()`, None when that fails or runs out of time too).
+    """
+    minimize = prob.sense == pulp.LpMinimize
     if solver == "highs":
-        info = prob.solverModel.getInfo()
-        return float(max(info.mip_gap, 0.0)) if math.isfinite(info.mip_gap) else 0.0
+        bound = float(prob.solverModel.getInfo().mip_dual_bound)
+    elif status == "optimal" and incumbent is not None:
+        bound = incumbent * (1 - tol) if minimize else incumbent / (1 - tol)
+    else:
+        bound = relaxation()
+    if bound is None or not (math.isfinite(bound) and math.isfinite(value)):
+        return None
+    return max(value - bound if minimize else bound - value, 0.0) / max(abs(value), 1e-12)
+
+
+def _relaxation_bound(prob: pulp.LpProblem, tmp: str, time_limit: float, threads: int | None) -> float | None:
+    """The optimum of the ILP's LP relaxation (a bound on every integer solution), or None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        lp = pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=time_limit, threads=threads,
+                               options=["preprocess off"])
+    lp.tmpDir = tmp
     try:
-        log = open(log_path).read()
+        prob.solve(lp)
+    except pulp.PulpSolverError:
+        return None
+    if prob.status != pulp.LpStatusOptimal or prob.sol_status != pulp.LpSolutionOptimal:
+        return None
+    return float(pulp.value(prob.objective))
+
+
+# --- solver files -------------------------------------------------------------------------------------------------
+
+SOLVER_DIR = "pi-plan-solve-"  # + pid + "-" + random, in the system's temporary directory
+
+
+@contextlib.contextmanager
+def solver_files():
+    """One temporary directory for every file a solve writes (PuLP's .mps, .mst and .sol: ~9 MB for a 70B model),
+    removed however the solve ends: normally, on an exception or ^C, and on SIGTERM, which pi-plan's main turns into
+    an exception. On the way out of an interrupted solve the solver's own process is stopped too. A process killed
+    outright (kill -9) cannot clean up: its directory carries its pid, and the next solve removes the directories of
+    processes that are gone."""
+    _remove_stale_solver_files()
+    path = tempfile.mkdtemp(prefix=f"{SOLVER_DIR}{os.getpid()}-")
+    try:
+        yield path
+    except BaseException:
+        _stop_children_using(path)
+        raise
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_stale_solver_files() -> None:
+    root = tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(root))
     except OSError:
-        return 0.0
-    obj = re.search(r"^Objective value:\s+(\S+)", log, re.M)
-    bound = re.search(r"^Lower bound:\s+(\S+)", log, re.M)
-    if not obj or not bound:
-        return 0.0  # "Optimal solution found" without a bound line: proven optimal
-    o, b = float(obj.group(1)), float(bound.group(1))
-    return abs(o - b) / max(abs(o), 1e-9)
+        return
+    for entry in entries:
+        m = re.fullmatch(rf"{SOLVER_DIR}(\d+)-\w+", entry.name)
+        if m and entry.is_dir(follow_symlinks=False) and not _alive(int(m.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, as another user's process
+    return True
+
+
+def _stop_children_using(path: str) -> None:
+    """SIGTERM to our own child processes whose command line names `path` (the solver, when a solve is interrupted;
+    PuLP waits for it without a timeout and leaves it running otherwise). Linux only: elsewhere nothing is done."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == me and path.encode() in (stat.parent / "cmdline").read_bytes():
+                os.kill(int(stat.parent.name), signal.SIGTERM)
+        except (OSError, ValueError, IndexError):
+            continue
 
 
 # --- from LP values to an exact plan -------------------------------------------------------------------------------

@@ -136,6 +136,11 @@ def _arch_int(f: GGUFFile, template: str, default=None):
     return int(v[0] if hasattr(v, "__len__") else v)
 
 
+def check_ctx_size(ctx_size: int | None) -> None:
+    if ctx_size is not None and ctx_size < 1:
+        raise PinferError(f"--ctx-size must be at least 1 token, got {ctx_size}")
+
+
 def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantizationType.F16) -> ModelBytes:
     """Bytes of every placeable part of the model in `f`, with its KV cache sized for `ctx_size` tokens."""
     table = tensor_table(f)
@@ -150,9 +155,8 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
                           f"the file is incomplete")
     n_head_kv = _arch_int(f, C.HEAD_COUNT_KV, n_head) or n_head
     head_dim = _arch_int(f, C.KEY_LENGTH, n_embd // n_head)
-    ctx = int(ctx_size or _arch_int(f, C.CONTEXT_LENGTH, 4096) or 4096)
-    if ctx <= 0:
-        raise PinferError(f"--ctx-size must be positive, got {ctx}")
+    check_ctx_size(ctx_size)
+    ctx = int(ctx_size if ctx_size is not None else _arch_int(f, C.CONTEXT_LENGTH, 4096) or 4096)
     vocab = _arch_int(f, C.VOCAB_SIZE)
     if vocab is None:
         emb = table.get(C.TOKEN_EMBD)

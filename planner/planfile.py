@@ -48,12 +48,13 @@ class StoredPlan:
     meta: dict  # the pinfer.plan.* keys
 
 
-def plan_metadata(p: Problem, plan: Plan, *, objective: str, status: str, gap: float, solver: str,
+def plan_metadata(p: Problem, plan: Plan, *, objective: str, status: str, gap: float | None, solver: str,
                   solve_s: float, tokens_per_s: float, vram_used: np.ndarray, fp: str,
                   baselines: dict[str, float | None]) -> dict:
+    """The pinfer.plan.* keys; `gap` (an upper bound on the ILP's relative optimality gap) is left out when unknown."""
     split = np.zeros(plan.n_layer, dtype=np.uint8)
     split[evaluate(p, plan).split] = 1
-    return {
+    meta = {
         C.PLAN_VERSION: np.uint32(PLAN_LAYOUT_VERSION),
         C.PLAN_GPUS: [g.name for g in p.hw.gpus],
         C.PLAN_VRAM_BUDGET: np.uint64(sum(g.budget_bytes for g in p.hw.gpus)),
@@ -62,7 +63,6 @@ def plan_metadata(p: Problem, plan: Plan, *, objective: str, status: str, gap: f
         C.PLAN_OBJECTIVE: objective,
         C.PLAN_TOKENS_PER_S: np.float32(tokens_per_s),
         C.PLAN_STATUS: status,
-        C.PLAN_GAP: np.float32(gap),
         C.PLAN_SOLVER: solver,
         C.PLAN_SOLVE_SECONDS: np.float32(solve_s),
         C.PLAN_GROUP: np.uint32(p.group),
@@ -76,6 +76,9 @@ def plan_metadata(p: Problem, plan: Plan, *, objective: str, status: str, gap: f
         C.PLAN_HARDWARE: p.hw.to_json(),
         C.PLAN_BASELINES: json.dumps(baselines, sort_keys=True),
     }
+    if gap is not None:
+        meta[C.PLAN_GAP] = np.float32(gap)
+    return meta
 
 
 def _plan_tensors(masks: list[np.ndarray], buckets: list[np.ndarray]) -> dict[str, np.ndarray]:

@@ -76,6 +76,11 @@ def baseline_dict(b: Baseline) -> dict:
             "vram_used": [int(x) for x in ev.vram] if ev else None}
 
 
+def gap_text(gap: float | None) -> str:
+    """The ILP's optimality gap as the solver bounds it (an upper bound), or "unknown" when it gives none."""
+    return "unknown" if gap is None else f"<= {gap:.3%}"
+
+
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
@@ -126,7 +131,7 @@ def print_summary(console: Console, d: dict) -> None:
         else:
             s.add_row(f"  {name}", f"{b['tokens_per_s']:.2f} tokens/s  (plan is {ours / b['tokens_per_s']:.2f}x)"
                       + (f"  [dim]{b['note']}[/]" if b["note"] else ""))
-    s.add_row("solver", f"{plan['solver']}: {plan['status']}, gap {plan['gap']:.3%}, "
+    s.add_row("solver", f"{plan['solver']}: {plan['status']}, gap {gap_text(plan['gap'])}, "
               f"{plan['build_s'] + plan['solve_s']:.2f} s ({plan['variables']:,} variables, "
               f"{plan['constraints']:,} constraints)")
     for note in plan["notes"] + ([d["model"]["activations_note"]] if d["model"]["activations_note"] else []):

@@ -29,8 +29,10 @@ class ActivationRule:
     def name(self) -> str:
         return "relu>0" if self.act in ("relu", "drelu") else "|silu(gate)|>thr"
 
-    def mask(self, layer: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """bool [T, n_ff]"""
+    def mask(self, layer: int, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """bool [T, n_ff]; gate is None for gate-less FFNs (Falcon, OPT), whose up row decides"""
+        if gate is None:
+            return up > 0
         if self.act == "relu":
             return gate > 0
         if self.act == "drelu":

@@ -3,11 +3,15 @@
     pi-run smollm2 -p "Once upon a time" -n 64
     pi-run model.gguf --chat -p "Write a haiku about caches" --temp 0.7 --seed 1
     pi-run model.gguf -p "..." --json
+
+Options are checked before the model loads: a value out of range is a one-line error naming the option and its
+range. -t above the cores this process may use is capped to them with a warning (surplus threads only wait).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,6 +19,7 @@ from typing import Annotated
 import typer
 
 from formats.errors import PinferError, report
+from runtime.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,6 +66,14 @@ def print_summary(m) -> None:
     frac = active_fraction(m)
     if frac is not None:
         con.print(f"[bold]ffn[/]    {m.ffn_mode}: {frac:.1%} of neurons computed per token and layer")
+    h = m.hybrid_report()
+    if h is not None:
+        p, t = h["placement"], h["per_token"]
+        con.print(f"[bold]gpu[/]    {h['gpu']}: {p['name']} ({p['source']}), {h['vram_bytes'] / 2**30:.2f} GiB; "
+                  f"attention of {p['attention_on_gpu']} layers, {p['gpu_neurons']:,} neurons on the GPU")
+        if t:
+            con.print(f"[bold]split[/]  per token: CPU {t['cpu_ms']:.2f} ms, waiting for the GPU "
+                      f"{t['gpu_wait_ms']:.2f} ms, copies {t['transfer_ms']:.2f} ms")
 
 
 @app.command()
@@ -70,7 +83,9 @@ def run(
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Prompt text.")] = None,
     file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 128,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores). More than "
+                                                "the cores this process may use is capped to them, with a warning: "
+                                                "surplus threads only wait for each other.")] = None,
     temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling; 0 = off.")] = 40,
     top_p: Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling; 1.0 = off.")] = 0.95,
@@ -82,7 +97,6 @@ def run(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template; without -p or "
                                        "-f, an interactive conversation in the terminal.")] = False,
     system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Activations and dequantised weights: f32, bf16, f16.")] = "f32",
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
     = None,
     sparse: Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the "
@@ -91,6 +105,13 @@ def run(
     oracle_masks: Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN with exact masks (ReLU: activation "
                                                "> 0; SwiGLU: the file's CATS thresholds). For debugging and "
                                                "benchmarks.")] = False,
+    gpu: Annotated[str, typer.Option("--gpu", help="auto (a CUDA GPU when CuPy finds one), none, cuda (insist), or "
+                                     "reference (the CPU stand-in for the GPU, for testing).")] = "auto",
+    placement: Annotated[str, typer.Option("--placement", help="With a GPU: plan (the file's plan, PowerInfer's "
+                                           ".gpuidx, or one made now), or a baseline: layers (llama.cpp -ngl), "
+                                           "powerinfer, cpu, gpu.")] = "plan",
+    vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM pi-run may use (default: "
+                                                      "what is free, less 0.5 GiB).")] = None,
     perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
                                                          "(windows of --ctx-size, default 512) instead of generating.")]
     = None,
@@ -100,23 +121,33 @@ def run(
     """Generate text with a GGUF model on the CPU."""
     try:
         mode = ffn_mode(sparse, dense, oracle_masks)
+        threads = checked_threads(threads)
+        if ctx_size is not None and ctx_size < 1:
+            raise PinferError(f"-c/--ctx-size must be at least 1 token, got {ctx_size}")
         if perplexity_file is not None:
-            return run_perplexity(model, perplexity_file, threads, ctx_size, dtype, ffn_act, mode, as_json)
+            return run_perplexity(model, perplexity_file, threads, ctx_size, ffn_act, mode, as_json,
+                                  dict(gpu=gpu, placement=placement, vram_budget=vram_budget))
         if file is not None:
             if not file.exists():
                 raise PinferError(f"{file}: no such prompt file")
             prompt = file.read_text(encoding="utf-8")
-        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                        repeat_last_n=repeat_last_n, seed=seed)
-        if prompt is None and chat:
-            return run_chat(model, threads, ctx_size, dtype, ffn_act, mode, system, n_predict, sampling)
-        if prompt is None:
+        if prompt is None and not chat:  # --chat without a prompt is the interactive chat
             raise PinferError("no prompt: pass -p TEXT or -f FILE")
         if n_predict < 0:
             raise PinferError(f"-n must be >= 0, got {n_predict}")
+        # checked before the model loads (generate checks them again)
+        SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
         from runtime import cpu_kernels, load_model
 
-        m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
+        say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
+        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
+                       placement=placement, vram_budget=vram_budget, say=say)
+        if not as_json:
+            print_notices(m)
+        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                        repeat_last_n=repeat_last_n, seed=seed)
+        if prompt is None:
+            return run_chat(m, system, n_predict, sampling)
         ids = build_prompt(m, prompt, chat, system)
         stream = TextStream(m.tokenizer)
         gen = m.generate(ids, max_tokens=n_predict, **sampling)
@@ -125,7 +156,8 @@ def run(
                 stream.push(tok)
             print(json.dumps({"model": str(m.file.path), "prompt": prompt, "text": stream.text,
                               "tokens": stream.ids, "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
-                              "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status()},
+                              "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status(),
+                              "notices": m.notices, "hybrid": m.hybrid_report()},
                              ensure_ascii=False))
             return
         if not chat:
@@ -139,19 +171,29 @@ def run(
         raise typer.Exit(report(e, verbose, prog="pi-run")) from None
 
 
-def run_chat(model, threads, ctx_size, dtype, ffn_act, mode: str, system, n_predict: int, sampling: dict) -> None:
-    from runtime import load_model
-
+def run_chat(m, system: str | None, n_predict: int, sampling: dict) -> None:
     from .chat import chat_loop
 
-    if n_predict < 0:
-        raise PinferError(f"-n must be >= 0, got {n_predict}")
-    m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
     if not m.tokenizer.chat_template:
         raise PinferError("this model has no tokenizer.chat_template, so it cannot chat; run without --chat")
     if sys.stdin.isatty():
         import readline  # noqa: F401 - line editing and history for input()
     chat_loop(m, system, n_predict, sampling)
+
+
+def checked_threads(threads: int | None) -> int | None:
+    """-t: at least 1; above the cores this process may run on, capped to them with a one-line warning (torch's
+    spinning OpenMP threads on a shared core are many times slower, never faster)."""
+    if threads is None:
+        return None
+    if threads < 1:
+        raise PinferError(f"-t/--threads must be at least 1, got {threads}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > cores:
+        print(f"pi-run: warning: -t {threads} is more than the {cores} cores this process may use; using {cores}",
+              file=sys.stderr)
+        return cores
+    return threads
 
 
 def ffn_mode(sparse: bool, dense: bool, oracle: bool) -> str:
@@ -165,7 +207,12 @@ def active_fraction(m) -> float | None:
     return None if s is None else round(sum(s) / len(s), 4)
 
 
-def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, mode: str, as_json: bool) -> None:
+def print_notices(m) -> None:
+    for n in m.notices:
+        print(f"pi-run: note: {n}", file=sys.stderr)
+
+
+def run_perplexity(model, path: Path, threads, ctx_size, ffn_act, mode: str, as_json: bool, gpu_opts: dict) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -176,7 +223,10 @@ def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, mode: s
         raise PinferError(f"{path}: no such text file for --perplexity")
     text = path.read_text(encoding="utf-8", errors="replace")
     window = ctx_size or 512
-    m = load_model(model, threads=threads, ctx_size=window, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
+    say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
+    m = load_model(model, threads=threads, ctx_size=window, ffn_act=ffn_act, ffn_mode=mode, say=say, **gpu_opts)
+    if not as_json:
+        print_notices(m)
     con = Console(stderr=True)
     with Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=con, transient=True, disable=as_json) as bar:
@@ -185,7 +235,7 @@ def run_perplexity(model, path: Path, threads, ctx_size, dtype, ffn_act, mode: s
     frac = active_fraction(m)
     if as_json:
         print(json.dumps({"model": str(m.file.path), "file": str(path), "ffn_mode": m.ffn_mode,
-                          "ffn_active_fraction": frac} | res.as_dict()))
+                          "ffn_active_fraction": frac, "notices": m.notices} | res.as_dict()))
         return
     extra = f", FFN {m.ffn_mode}" + (f", {frac:.1%} of neurons computed" if frac is not None else "")
     print(f"perplexity: {res.ppl:.4f} +/- {res.stderr:.4f}  ({res.tokens_scored} tokens scored in {res.windows} "

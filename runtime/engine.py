@@ -19,22 +19,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from formats import constants as C
 from formats.config import ModelConfig, config_from_gguf
 from formats.errors import PinferError
 from formats.reader import GGUFFile, open_gguf
 from formats.tokenizer import GGUFTokenizer, load_tokenizer
 
-from .linear import GEMM_MIN_ROWS
+from .hybrid import Split
 from .loader import load_transformer
 from .model import Transformer
+from .placement import Placement
 from .sampling import SamplingParams, make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch memory for long prompts
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-# Linear layers pick their kernel by row count (from GEMM_MIN_ROWS rows a bf16 GEMM, below it the int4 kernel), and
-# the two round differently. A fresh prefill of that many tokens or more runs them all on the GEMM, so a prompt that
-# reuses the cache still prefills at least that many: it then answers the same greedy tokens as a fresh run.
-REUSE_MIN_PREFILL = GEMM_MIN_ROWS
+# A prompt that reuses the cache still prefills at least this many tokens when it has that many. qmatmul picks its
+# path by the number of rows (runtime/csrc/kernels.h GEMM_MIN_T: below it 8-bit activations in integer dot products,
+# from it an fp32 GEMM), and the two round differently; a fresh prefill of 16+ tokens takes the GEMM for all, so
+# the new tokens must too for the answer to be a fresh run's.
+REUSE_MIN_PREFILL = 16
 
 
 @dataclass
@@ -75,6 +77,19 @@ class Model:
     # the token ids whose keys and values the KV cache holds at positions 0..len-1: a token enters only once its
     # forward pass has written it, so an interrupted generation leaves this true
     cached_ids: list[int] = field(default_factory=list, repr=False)
+    notices: list[str] = field(default_factory=list)  # costs loading could not avoid (pi-run prints them)
+    placement: Placement | None = None  # where the parts run when a GPU is used (runtime/placement.py)
+    split: Split | None = None  # host time waiting for the GPU and copying, since the last prefill
+    gpu: str = ""  # the GPU in use, as its driver names it
+    vram_bytes: int = 0  # what the placement's parts take on it
+
+    def hybrid_report(self) -> dict | None:
+        """Placement, VRAM and the per-token time split of the last generation, when a GPU is used."""
+        if self.placement is None:
+            return None
+        st = self.stats
+        return {"gpu": self.gpu, "placement": self.placement.summary(), "vram_bytes": self.vram_bytes,
+                "per_token": self.split.per_token(st.decode_s, st.decode_tokens) if self.split else None}
 
     def sparsity(self) -> list[float] | None:
         """Per layer, the fraction of neurons computed so far (None for dense models)."""
@@ -159,10 +174,15 @@ class Model:
         t0 = time.perf_counter()
         logits = self._prefill(tokens, all_logits=False, start=reused)[-1]
         st.prompt_s = time.perf_counter() - t0
+        if self.split is not None:
+            self.split.reset()  # the per-token split is of decode steps
         pos = len(ids)
         t0 = time.perf_counter()
         st.stop_reason = "length"
         for _ in range(max_tokens):
+            if not torch.isfinite(logits).all():  # NaN would otherwise fail deep inside torch.multinomial
+                raise PinferError(f"{self.file.path}: the model's weights are corrupt: the logits at position {pos} "
+                                  f"are not finite (NaN or inf)")
             tok = sample(logits, history)
             history.append(tok)
             st.decode_tokens += 1
@@ -194,31 +214,61 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 
 
 def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
-               dtype: str = "f32", quantized: bool = True, ffn_act: str | None = None, ffn_mode: str = "auto",
-               progress=None) -> Model:
-    """Open a GGUF/PWRI model and prepare it for generation.
+               ffn_act: str | None = None, ffn_mode: str = "auto", progress=None, *, gpu: str = "none",
+               placement: str = "plan", vram_budget: float | None = None, say=lambda msg: None) -> Model:
+    """Open a GGUF/PWRI model and prepare it for generation. The weights stay in the file (memory-mapped, read in
+    place by the C++ kernels): loading parses the header and makes views.
 
     threads: torch intra-op threads (default: all cores). ctx_size: KV cache length (default: the training context,
-    capped at 4096). dtype: activations and dequantised weights (f32, bf16, f16). quantized: keep Q4_0/Q4_1/Q8_0
-    weights packed for the int4 kernels instead of dequantising them. ffn_act: override the FFN activation read
-    from the file. ffn_mode: "dense", "sparse" (predictors pick each token's neurons), "oracle" (exact masks), or
-    "auto" (sparse when the file has predictors).
+    capped at 4096). ffn_act: override the FFN activation read from the file. ffn_mode: "dense", "sparse"
+    (predictors pick each token's neurons), "oracle" (exact masks), or "auto" (sparse when the file has predictors).
+    gpu: "none", "auto" (a CUDA GPU when CuPy finds one), "cuda" (insist) or "reference" (the CPU stand-in); with a
+    GPU, `placement` (plan | layers | powerinfer | cpu | gpu) and `vram_budget` (GiB) decide what runs there, see
+    runtime/placement.py and runtime/hybrid.py. say: receives one-line messages about the choice.
     """
     t0 = time.perf_counter()
+    if threads is not None and threads < 1:
+        raise PinferError(f"threads must be at least 1, got {threads}")
     if threads:
         torch.set_num_threads(threads)
-    if dtype not in DTYPES:
-        raise PinferError(f"unknown dtype '{dtype}' (choose {', '.join(DTYPES)})")
-    f = open_gguf(resolve_model_path(path))
+    try:
+        f = open_gguf(resolve_model_path(path))
+    except PermissionError as e:
+        raise PinferError(f"{e.filename or path}: permission denied: cannot read the model file") from None
     cfg = config_from_gguf(f, ffn_act=ffn_act)
     tok = load_tokenizer(f)
-    ctx = ctx_size or min(cfg.n_ctx_train, 4096)
+    ctx = ctx_size if ctx_size is not None else min(cfg.n_ctx_train, 4096)
     if ctx <= 0:
         raise PinferError(f"--ctx-size must be positive, got {ctx}")
     if ffn_mode == "auto":
         ffn_mode = "sparse" if cfg.has_predictors else "dense"
     with torch.inference_mode():
-        tr = load_transformer(f, cfg, DTYPES[dtype], ctx, quantized, ffn_mode, progress)
-    m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode)
+        tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress)
+    m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices)
+    _use_gpu(m, gpu, placement, vram_budget, say)
     m.stats.load_s = time.perf_counter() - t0
     return m
+
+
+def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, say) -> None:
+    """Find the GPU, choose the placement, move its parts there (runtime/hybrid.py)."""
+    from . import devices, hybrid
+    from . import placement as pl
+
+    dev, info, why = devices.acquire(gpu)
+    if dev is None:
+        if placement not in ("plan", "cpu") or vram_budget is not None:
+            raise PinferError(f"--placement {placement} and --vram-budget need a GPU, and none can be used: {why}")
+        if _has_plan(m.file):
+            m.notices.append(f"the model has a GPU plan, but no GPU can be used ({why}): running on the CPU")
+        return
+    place = pl.choose(m.file, info, placement=placement, vram_budget_gib=vram_budget, ctx=m.ctx_size, say=say)
+    m.vram_bytes = hybrid.device_bytes(m.transformer, place, m.ctx_size)
+    m.split = hybrid.apply(m, place, dev, budget=pl.budget_bytes(info, vram_budget))
+    m.placement, m.gpu = place, info.name
+
+
+def _has_plan(f: GGUFFile) -> bool:
+    return (any(k.startswith(C.PLAN_PREFIX) for k in f.metadata)
+            or Path(str(f.path) + C.GPUIDX_SUFFIX).exists())
+

@@ -1,31 +1,36 @@
-"""The dense feed-forward block: SwiGLU, ReGLU or dReLU, then the down projection."""
+"""The dense feed-forward block: every neuron of the layer, then the down projection."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .linear import Linear
+from .sparse_ops import FFNRows, activate, ffn_dense
 
-def activate(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "silu":  # SwiGLU (Llama, SmolLM2)
-        return F.silu(gate) * up
-    if act == "relu":  # ReGLU (ReluLLaMA, ProSparse)
-        return F.relu(gate) * up
-    if act == "drelu":  # dReLU (Bamboo)
-        return F.relu(gate) * F.relu(up)
-    raise ValueError(f"unknown FFN activation {act}")
+__all__ = ["DenseFFN", "activate"]
 
 
 class DenseFFN:
-    """gate and up share one fused matrix [2*n_ff, d] so a decode step is two matmuls."""
+    """Files with ffn_down: gate and up in one fused matmul, then down (two calls per token). PowerInfer files, which
+    store only the neuron-major ffn_down_t: the sparse kernel over every neuron (exact, each row read once) for a few
+    tokens, GEMMs over dequantised row blocks for more."""
 
-    def __init__(self, gate_up, down, act: str, n_ff: int):
-        self.gate_up, self.down, self.act, self.n_ff = gate_up, down, act, n_ff
+    def __init__(self, rows: FFNRows, down: Linear | None):
+        self.rows, self.down = rows, down
+        self.act, self.n_ff = rows.act, rows.n_ff
+
+    def pre_activations(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(gate, up) [T, n_ff]; gate is None for gate-less FFNs."""
+        return self.rows.pre_activations(x)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up(x)  # (T, 2 n_ff)
-        return activate(gu[:, :self.n_ff], gu[:, self.n_ff:], self.act)
+        return activate(*self.pre_activations(x), self.act)
+
+    def down_proj(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(h) if self.down is not None else self.rows.down(h)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: the ffn_norm output [T, d]; residual (the pre-norm input, which predictors read) is unused here."""
+        if self.down is None:
+            return ffn_dense(self.rows, x)
         return self.down(self.hidden(x))

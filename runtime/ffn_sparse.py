@@ -20,13 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .predictor import Predictor
-from .sparse_ops import FFNWeights, ffn_exact_relu, ffn_masked, ffn_sparse
-
-
-def gate_up_all(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
-    """(T, n_ff, 2) gate and up pre-activations of every neuron (the dense part of an exact mask)."""
-    return F.linear(x.to(w.dtype), w.gate_up.view(2 * w.n_ff, w.n_embd)).view(-1, w.n_ff, 2)
-
+from .sparse_ops import FFNRows, ffn_exact, ffn_masked, ffn_sparse
 
 # A neuron whose profiled peak |activation| exceeds this many times its layer's median peak is an outlier ("massive
 # activation", typically on the first token of SwiGLU models) and is computed for every token: a predictor that
@@ -45,13 +39,13 @@ class PredictorMasker:
     def __init__(self, pred: Predictor, always: torch.Tensor | None = None):
         self.pred, self.always = pred, always
 
-    def __call__(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+    def __call__(self, w: FFNRows, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
         mask = self.pred.mask(resid)
         if self.always is not None:
             mask[:, self.always] = True
         return mask
 
-    def indices(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+    def indices(self, w: FFNRows, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
         """One token: the active neurons' indices, straight from the fused kernel when it applies."""
         idx = self.pred.fused_indices(resid, self.always)
         return idx if idx is not None else self(w, x, resid)[0].nonzero().view(-1)
@@ -60,11 +54,13 @@ class PredictorMasker:
 class ReluOracleMasker:
     """Exact: neuron i is active iff its post-activation value is > 0."""
 
-    def __call__(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        a = gate_up_all(w, x)
+    def __call__(self, w: FFNRows, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        g, u = w.pre_activations(x)
+        if g is None:  # gate-less: relu(up) > 0
+            return u > 0
         if w.act == "drelu":
-            return (a[..., 0] > 0) & (a[..., 1] > 0)
-        return a[..., 0] > 0
+            return (g > 0) & (u > 0)
+        return g > 0
 
 
 class CatsOracleMasker:
@@ -73,8 +69,8 @@ class CatsOracleMasker:
     def __init__(self, threshold: float):
         self.threshold = threshold
 
-    def __call__(self, w: FFNWeights, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate_up_all(w, x)[..., 0]).abs() > self.threshold
+    def __call__(self, w: FFNRows, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        return F.silu(w.pre_activations(x)[0]).abs() > self.threshold
 
 
 @dataclass
@@ -92,18 +88,19 @@ class SparsityStats:
 
 @dataclass
 class SparseFFN:
-    w: FFNWeights
+    w: FFNRows
     masker: object
     stats: SparsityStats = field(default_factory=SparsityStats)
 
     def __call__(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.w.dtype)
         if x.shape[0] == 1 and isinstance(self.masker, PredictorMasker):  # decode with predictors
             idx = self.masker.indices(self.w, x, resid)
             self.stats.add_counts(1, idx.numel())
             return ffn_sparse(self.w, x, idx)
-        if isinstance(self.masker, ReluOracleMasker):  # exact: the kernel finds the active neurons by their gates
-            done = ffn_exact_relu(self.w, x)
+        if isinstance(self.masker, ReluOracleMasker | CatsOracleMasker):
+            # exact masks: the kernel finds the active neurons itself (ReLU: by their gates; CATS: by |silu(gate)|)
+            cats = self.masker.threshold if isinstance(self.masker, CatsOracleMasker) else 0.0
+            done = ffn_exact(self.w, x, cats)
             if done is not None:
                 self.stats.add_counts(x.shape[0], done[1])
                 return done[0]

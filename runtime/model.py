@@ -1,8 +1,9 @@
 """The Llama-family forward pass (llama, ReluLLaMA/ProSparse, Bamboo) in torch on the CPU.
 
 One Block = attention + FFN, each a residual line. The KV cache is allocated once and written by index. Prefill runs
-T tokens at once; decode runs one token through the same code with T=1. Weights come from runtime/loader.py already
-fused (QKV in one matrix, gate+up in one matrix) so that a decode step dispatches few, large ops.
+T tokens at once; decode runs one token through the same code with T=1. Weights come from runtime/loader.py as the
+file stores them, grouped (Q, K and V in one Linear, gate and up in one) so that a decode step dispatches few ops.
+Activations and the residual stream are float32.
 
 RoPE uses the GGUF layout: llama.cpp's converter permutes Q/K rows so that rotary pairs are adjacent elements
 (2i, 2i+1) of each head, not HF's half-split (i, i + head_dim/2).
@@ -19,9 +20,7 @@ import torch.nn.functional as F
 from formats.config import ModelConfig
 
 from . import cpu_kernels
-from .linear import DenseLinear, Int4Linear, SplitInt4Linear
-
-Linear = DenseLinear | Int4Linear | SplitInt4Linear
+from .linear import Embedding, Linear
 
 
 @dataclass
@@ -30,7 +29,8 @@ class BlockWeights:
     wqkv: Linear  # d -> (n_head + 2 n_head_kv) * head_dim
     wo: Linear  # n_head * head_dim -> d
     ffn_norm: torch.Tensor  # [d]
-    ffn: object  # DenseFFN or SparseFFN: callable(normed x [T, d], residual x [T, d]) -> [T, d]
+    ffn: object  # DenseFFN, SparseFFN or HybridFFN: callable(normed x [T, d], residual x [T, d]) -> [T, d]
+    attn_dev: object = None  # runtime.hybrid.DeviceAttention when this layer's attention runs on the GPU
 
 
 def rope_table(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
@@ -49,27 +49,31 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of every layer, allocated once: [n_layer, n_head_kv, max_ctx, head_dim] each."""
+    """Keys and values of every layer, allocated once: k[layer], v[layer] are [n_head_kv, max_ctx, head_dim]. A layer
+    whose attention runs on the GPU keeps its cache there (free() drops the host's)."""
 
-    def __init__(self, cfg: ModelConfig, max_ctx: int, dtype: torch.dtype):
-        shape = (cfg.n_layer, cfg.n_head_kv, max_ctx, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, max_ctx: int, dtype: torch.dtype = torch.float32):
+        shape = (cfg.n_head_kv, max_ctx, cfg.head_dim)
         # empty, not zeros: attention reads only positions already written
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(cfg.n_layer)]
         self.max_ctx = max_ctx
+
+    def free(self, layer: int) -> None:
+        self.k[layer] = self.v[layer] = None
 
 
 class Transformer:
-    def __init__(self, cfg: ModelConfig, blocks: list[BlockWeights], tok_embd, output_norm: torch.Tensor,
-                 output: Linear, dtype: torch.dtype, max_ctx: int):
+    def __init__(self, cfg: ModelConfig, blocks: list[BlockWeights], tok_embd: Embedding, output_norm: torch.Tensor,
+                 output: Linear, max_ctx: int):
         self.cfg, self.blocks, self.tok_embd = cfg, blocks, tok_embd
-        self.output_norm, self.output, self.dtype = output_norm, output, dtype
+        self.output_norm, self.output = output_norm, output
         self.freqs = rope_table(cfg, max_ctx)
-        self.cache = KVCache(cfg, max_ctx, dtype)
+        self.cache = KVCache(cfg, max_ctx)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.norm_shape = (cfg.n_embd,)
-        # fp32 models run RMSNorm and decode attention as one C++ call each (runtime/csrc), else through torch
-        self.fused = dtype == torch.float32 and cpu_kernels.available()
+        # RMSNorm and decode attention are one C++ call each (runtime/csrc) when the kernels are built
+        self.fused = cpu_kernels.available()
         self.rope_cs = torch.view_as_real(self.freqs)  # (cos, sin) pairs [max_pos, head_dim/2, 2] for the C++ op
 
     @property
@@ -77,37 +81,35 @@ class Transformer:
         return self.cache.max_ctx
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """tokens [T] at positions pos..pos+T-1 -> logits [T, vocab] (or [1, vocab] for the last token only).
-
-        The residual stream stays in self.dtype; a linear layer may answer in another dtype (int4 kernels answer
-        in bf16) and the residual add promotes it back.
-        """
-        x = self.tok_embd(tokens).to(self.dtype)  # (T, d)
+        """tokens [T] at positions pos..pos+T-1 -> logits [T, vocab] (or [1, vocab] for the last token only)."""
+        x = self.tok_embd(tokens)  # (T, d) float32
         for li, b in enumerate(self.blocks):
             x = x + self.attention(li, b, self.norm(x, b.attn_norm), pos)
             x = x + b.ffn(self.norm(x, b.ffn_norm), x)  # predictors read the pre-norm residual
         if not all_logits:
             x = x[-1:]
-        return self.output(self.norm(x, self.output_norm)).float()
+        return self.output(self.norm(x, self.output_norm))
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dtype == w.dtype == torch.float32:
+        if self.fused:
             return torch.ops.pinfer.rms_norm(x.contiguous(), w, self.cfg.norm_eps)
         return F.rms_norm(x, self.norm_shape, w, self.cfg.norm_eps)
 
     def attention(self, li: int, b: BlockWeights, x: torch.Tensor, pos: int) -> torch.Tensor:
+        if b.attn_dev is not None:
+            return b.attn_dev(x, pos)
         cfg, T = self.cfg, x.shape[0]
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         end = pos + T
         qkv = b.wqkv(x)  # (T, (H + 2 Hkv) D)
-        if T == 1 and self.fused:  # RoPE, cache write and attention in one call (int4 layers answer in bf16)
-            out = torch.ops.pinfer.attend_decode(qkv.float(), self.rope_cs[pos], self.cache.k[li], self.cache.v[li],
+        if T == 1 and self.fused:  # RoPE, cache write and attention in one call
+            out = torch.ops.pinfer.attend_decode(qkv, self.rope_cs[pos], self.cache.k[li], self.cache.v[li],
                                                  pos, H, Hkv, self.scale)
             return b.wo(out)
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), self.freqs[pos:end])  # q and k in one op
-        self.cache.k[li, :, pos:end] = qk[:, H:].transpose(0, 1)
-        self.cache.v[li, :, pos:end] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1)
-        keys, values = self.cache.k[li, :, :end], self.cache.v[li, :, :end]  # (Hkv, end, D)
+        self.cache.k[li][:, pos:end] = qk[:, H:].transpose(0, 1)
+        self.cache.v[li][:, pos:end] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1)
+        keys, values = self.cache.k[li][:, :end], self.cache.v[li][:, :end]  # (Hkv, end, D)
         group = H // Hkv
         q = qk[:, :H].to(keys.dtype)
         if T == 1:

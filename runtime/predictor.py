@@ -1,7 +1,8 @@
 """PowerInfer's activation predictors: per layer, Linear -> ReLU -> Linear without biases.
 
 Neuron i is predicted active iff fc2(relu(fc1 x))[i] >= threshold, where x is the layer's pre-norm residual (the FFN
-input before ffn_norm). GGUF stores fc1 as [r, d] and fc2 as [n_ff, r] in numpy order (ggml ne [d, r] / [r, n_ff]).
+input before ffn_norm). GGUF stores fc1 as [r, d] and fc2 as [n_ff, r] in numpy order (ggml ne [d, r] / [r, n_ff]),
+usually F16; the runtime reads them as stored, in place.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType as T
 
 from formats import constants as C
 from formats.errors import PinferError
 from formats.reader import GGUFFile
 
-from . import cpu_kernels
+from . import qops
+from .weights import qweight
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Predictor:
     density: float = math.nan  # fraction of neurons predicted active per token
     true_density: float = math.nan  # fraction actually active on the same tokens
     ladder: list[dict] = field(default_factory=list)  # training: per candidate size, hidden, density, cost
+    _f32: tuple | None = field(default=None, repr=False, compare=False)  # (fc1, fc2, float copies), see _float
 
     @property
     def hidden(self) -> int:
@@ -41,22 +45,40 @@ class Predictor:
     def nbytes(self) -> int:
         return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
 
+    def _float(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fc1, fc2 as float32 (a copy made once when they are stored in half precision)."""
+        if self.fc1.dtype == self.fc2.dtype == torch.float32:
+            return self.fc1, self.fc2
+        c = self._f32
+        if c is None or c[0] is not self.fc1 or c[1] is not self.fc2:  # training may replace fc2 (fold_thresholds)
+            c = self._f32 = (self.fc1, self.fc2, self.fc1.float(), self.fc2.float())
+        return c[2], c[3]
+
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] -> [T, n_ff], computed in float32 (a no-op conversion for float32 weights)"""
-        return F.linear(F.relu(F.linear(x.float(), self.fc1.float())), self.fc2.float())
+        """x [T, d] -> [T, n_ff], computed in float32"""
+        fc1, fc2 = self._float()
+        return F.linear(F.relu(F.linear(x.float(), fc1)), fc2)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         return self.scores(x) >= self.threshold
 
     def fused_indices(self, x: torch.Tensor, always: torch.Tensor | None = None) -> torch.Tensor | None:
-        """One token x [1, d] -> the ascending indices of its predicted-active neurons, plus `always`, by the fused
-        C++ kernel; None where it does not apply (fc2 not stored transposed as load_predictors stores it, half
-        precision, no kernels): then use mask()."""
-        fc2_t = self.fc2.t()
-        if self.fc1.dtype != torch.float32 or not fc2_t.is_contiguous() or not cpu_kernels.available():
+        """One token x [1, d] -> the ascending indices of its predicted-active neurons, plus `always`, by the C++
+        kernel over fc1/fc2 as stored (F16 or F32, read in place); None where it does not apply (no kernels, another
+        dtype): then use mask()."""
+        if not qops.available() or {self.fc1.dtype, self.fc2.dtype} - _KERNEL_DTYPES.keys():
             return None
-        return torch.ops.pinfer.predict_active(x.to(torch.float32).contiguous(), self.fc1, fc2_t, self.threshold,
-                                               always)
+        return torch.ops.pinfer.qpredict_active(
+            x.float().contiguous(), _bytes(self.fc1), _KERNEL_DTYPES[self.fc1.dtype], _bytes(self.fc2),
+            _KERNEL_DTYPES[self.fc2.dtype], self.threshold, always)
+
+
+_KERNEL_DTYPES = {torch.float32: int(T.F32), torch.float16: int(T.F16)}
+
+
+def _bytes(w: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, row_bytes] view of a contiguous 2-D weight (how the kernels take every weight)."""
+    return w.contiguous().view(torch.uint8)
 
 
 def sparse_threshold(f: GGUFFile) -> float:
@@ -75,10 +97,9 @@ def layer_thresholds(f: GGUFFile, n_layer: int) -> list[float]:
     return [float(t) for t in per_layer]
 
 
-def load_predictors(f: GGUFFile, n_layer: int, dtype: torch.dtype = torch.float32) -> list[Predictor]:
-    """Every layer's predictor from a file; raises if any layer lacks one."""
-    from .linear import dequantize
-
+def load_predictors(f: GGUFFile, n_layer: int) -> list[Predictor]:
+    """Every layer's predictor from a file, as stored (F16 or F32 views of the memory map; other types are
+    dequantised); raises if any layer lacks one."""
     thr = layer_thresholds(f, n_layer)
     preds = []
     for i in range(n_layer):
@@ -86,11 +107,18 @@ def load_predictors(f: GGUFFile, n_layer: int, dtype: torch.dtype = torch.float3
         if not (f.has(n1) and f.has(n2)):
             raise PinferError(f"{f.path}: layer {i} has no predictor ({n1}); run `pi-profile {f.path.name} "
                               f"--train-predictors` first, or run with --dense")
-        fc1, fc2 = dequantize(f, n1, dtype), dequantize(f, n2, dtype)
-        if fc1.shape[0] != fc2.shape[1]:
+        fc1, fc2 = _stored(f, n1), _stored(f, n2)
+        if fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[0] != fc2.shape[1]:
             raise PinferError(f"{f.path}: predictor of layer {i} has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}, "
                               f"which do not chain")
-        # fc2 kept as a transposed view of a contiguous [r, n_ff]: one token's second layer is then an axpy over the
-        # rows of the hidden units ReLU keeps (Predictor.fused_indices), and batches still multiply by the view
-        preds.append(Predictor(fc1.contiguous(), fc2.t().contiguous().t(), thr[i]))
+        preds.append(Predictor(fc1, fc2, thr[i]))
     return preds
+
+
+def _stored(f: GGUFFile, name: str) -> torch.Tensor:
+    w = qweight(f, name)
+    if w.qtype == T.F16:
+        return w.data.view(torch.float16)
+    if w.qtype == T.F32:
+        return w.data.view(torch.float32)
+    return w.dequantize()

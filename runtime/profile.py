@@ -86,7 +86,7 @@ def split_labels(n_tokens: int, seed: int = 0) -> np.ndarray:
 
 def _check_ffn(model) -> None:
     for i, b in enumerate(model.transformer.blocks):
-        if not all(hasattr(b.ffn, a) for a in ("gate_up", "down", "n_ff", "act")):
+        if not all(hasattr(b.ffn, a) for a in ("pre_activations", "down_proj", "n_ff", "act")):
             raise PinferError(f"layer {i} has an FFN pi-profile cannot look inside ({type(b.ffn).__name__}); "
                               f"load the model dense")
 
@@ -125,27 +125,26 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
     xs_out = np.zeros((L, k, d), dtype=np.float32)
     bits = np.zeros((L, k, -(-n_ff // 8)), dtype=np.uint8)
 
-    xs = [tr.tok_embd(torch.tensor(w, dtype=torch.long)).to(tr.dtype) for w in windows]  # residual stream (T, d)
+    xs = [tr.tok_embd(torch.tensor(w, dtype=torch.long)) for w in windows]  # residual stream (T, d)
     cache_ok = n_tokens * 3 * n_ff * 4 <= CACHE_BYTES  # gate/up and |silu(gate)|, float32
     for li, b in enumerate(tr.blocks):
         ffn = b.ffn
         for w, x in enumerate(xs):
             xs[w] = x + tr.attention(li, b, tr.norm(x, b.attn_norm), 0)
-        gate_up = lambda x: ffn.gate_up(tr.norm(x, b.ffn_norm))  # noqa: E731, B023
+        pre = lambda x: ffn.pre_activations(tr.norm(x, b.ffn_norm))  # noqa: E731, B023  -> (gate, up) [T, n_ff]
         cached = mags = None
         if rule.act == "silu":
             if cache_ok:  # every token's gate/up and |silu(gate)| stay in memory for the second loop
-                cached = [gate_up(x) for x in xs]
-                mags = [F.silu(g[:, :n_ff].float()).abs() for g in cached]
+                cached = [pre(x) for x in xs]
+                mags = [F.silu(g).abs() for g, _ in cached]
                 rule.thresholds[li] = cats_threshold(mags, sparsity)
             else:
                 rows_ = _calib_rows(windows, n_ff, seed)
                 rule.thresholds[li] = cats_threshold(
-                    [F.silu(gate_up(x[r])[:, :n_ff].float()).abs() for x, r in zip(xs, rows_, strict=True)], sparsity)
+                    [F.silu(pre(x[r])[0]).abs() for x, r in zip(xs, rows_, strict=True)], sparsity)
         for w, x in enumerate(xs):
-            gu = cached[w] if cached else gate_up(x)  # (T, 2 n_ff)
-            gate, up = gu[:, :n_ff], gu[:, n_ff:]
-            m = mags[w] > rule.thresholds[li] if mags else rule.mask(li, gate.float(), up.float())
+            gate, up = cached[w] if cached else pre(x)
+            m = mags[w] > rule.thresholds[li] if mags else rule.mask(li, gate, up)
             counts[li] += m.sum(0, dtype=torch.float64)
             r = rows[w]
             if r.numel():
@@ -153,7 +152,7 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
                 bits[li, bounds[w]:bounds[w + 1]] = np.packbits(m[r].numpy(), axis=1)
             h = activate(gate, up, ffn.act)
             peak[li] = torch.maximum(peak[li], h.float().abs().amax(0))
-            xs[w] = x + ffn.down(h)
+            xs[w] = x + ffn.down_proj(h)
         del cached, mags
         if progress:
             progress(li + 1, L)

@@ -27,7 +27,6 @@ from formats.errors import PinferError, report
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
-DEQUANTIZE_MAX_PARAMS = 1_000_000_000  # up to this size the profiler computes in f32 from dequantised weights
 
 
 def parse_ladder(text: str) -> list[int]:
@@ -164,9 +163,8 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     else:
         rule = activity.activation_rule(cfg, o["sparsity"])  # refuses SwiGLU without --sparsity, before any work
         files = [Path(c) for c in o["corpus"]] or corpus.builtin_corpus()
-        quantized = cfg.n_params > DEQUANTIZE_MAX_PARAMS
         t0 = time.perf_counter()
-        m = load_model(path, threads=o["threads"], ctx_size=o["ctx"], quantized=quantized, ffn_act=o["ffn_act"],
+        m = load_model(path, threads=o["threads"], ctx_size=o["ctx"], ffn_act=o["ffn_act"],
                        ffn_mode="dense")
         summary["seconds"]["load"] = round(time.perf_counter() - t0, 2)
         windows, desc = corpus.corpus_windows(m.tokenizer, files, o["ctx"], o["tokens"])

@@ -6,10 +6,13 @@ temperature <= 0 is greedy (argmax after the penalty).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from formats.errors import PinferError
 
 
 @dataclass
@@ -21,6 +24,21 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1.0 = off
     repeat_last_n: int = 64
     seed: int | None = None
+
+    def __post_init__(self):
+        """Refuse nonsense at once, naming the pi-run option it came from and the valid range."""
+        checks = (("--temp", self.temperature, math.isfinite(self.temperature), "a finite number (<= 0: greedy)"),
+                  ("--top-k", self.top_k, self.top_k >= 0, "an integer >= 0 (0: off)"),
+                  ("--top-p", self.top_p, 0 <= self.top_p <= 1, "in [0, 1] (1: off)"),
+                  ("--min-p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1] (0: off)"),
+                  ("--repeat-penalty", self.repeat_penalty, 0 < self.repeat_penalty < math.inf,
+                   "a finite number > 0 (1: off)"),
+                  ("--repeat-last-n", self.repeat_last_n, self.repeat_last_n >= 0, "an integer >= 0 (0: off)"),
+                  ("--seed", self.seed, self.seed is None or -(1 << 63) <= self.seed < 1 << 64,
+                   "an integer in [-2^63, 2^64 - 1]"))
+        for option, value, ok, valid in checks:
+            if not ok:
+                raise PinferError(f"{option} must be {valid}, got {value}")
 
 
 def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, Sequence[int]], int]:

@@ -34,7 +34,6 @@ def serve(
                                        "with Retry-After.")] = 8,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="PINFER_API_KEY", help="Require "
                                                 "'Authorization: Bearer KEY' (also from $PINFER_API_KEY).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Activations and dequantised weights: f32, bf16, f16.")] = "f32",
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
     = None,
     sparse: Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the "
@@ -56,7 +55,7 @@ def serve(
 
         from .server import create_app
 
-        m = load_model(model, threads=threads, ctx_size=ctx_size, dtype=dtype, ffn_act=ffn_act, ffn_mode=mode)
+        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode)
         app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads)
         run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key))
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line

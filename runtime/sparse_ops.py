@@ -1,19 +1,29 @@
-"""Sparse FFN operators for the CPU: compute only the neurons in an index set, reading their weights in place.
+"""Sparse FFN operators: the FFN of a few tokens computed on a set of neurons only.
 
-Layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ops.py --layouts):
+Two implementations of the same operators, chosen per layer:
+- FFNRows: the layer as the file stores it (gate, up and PowerInfer's neuron-major ffn_down_t, in F32/F16/BF16/Q4_0/
+  Q4_1/Q8_0), read in place by pinfer's C++ kernel torch.ops.pinfer.qffn_sparse (runtime/csrc/sparse_ffn.cpp): one
+  pass over the index list on torch's thread pool, several neurons' rows streaming side by side per thread, each
+  selected row read once. For ReLU-family FFNs a neuron's gate row is read first, and its up and down rows are never
+  read when its activation is exactly 0: a predictor's false positives cost a third of a neuron. More tokens than
+  KERNEL_MAX_T gather the selected rows (dequantised) into a workspace and run GEMMs.
+- FFNWeights: a float copy in a sparse-friendly layout (pack_ffn), for the torch fallback (no C++ compiler, or a type
+  without a kernel such as the K-quants). It is described below.
+
+Everything here is exact: for any index set the result equals the dense FFN with the other neurons zeroed (up to the
+8-bit activation rounding of the quantised kernels, see runtime/qops.py). `ffn_masked` (per-row masks) and `ffn_auto`
+(one index set) decide dense vs union-of-masks sparse for T tokens by the measured rule `sparse_pays(T, n_active,
+n_ff)`.
+
+FFNWeights, the fallback's layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ops.py --layouts):
 - gate_up [n_ff, 2, d]: neuron i's gate row and up row side by side, so one index list addresses both and a neuron's
   input weights are one 2*d run of memory; the dense path reads the same tensor as one [2*n_ff, d] GEMM.
 - down_t [n_ff, d]: PowerInfer's ffn_down_t, row i = neuron i's output column; the same index list selects it.
 - Both live in anonymous memory advised for transparent huge pages: random neuron rows then cost no TLB misses.
 
-Few tokens (T <= KERNEL_MAX_T, fp32) run pinfer's C++ kernel, torch.ops.pinfer.ffn_sparse_rows
-(runtime/csrc/cpu_kernels.cpp, built on first use by runtime/cpu_kernels.py): one pass over the index list on torch's
-thread pool, each thread streaming the gate rows of 8 neurons side by side, then the up rows and down rows of those
-whose activation can be nonzero, reading every row once and in place. For ReLU and dReLU a neuron whose gate is <= 0
-has activation exactly 0, so its up and down rows are never read: a predictor's false positives cost a third of a
-neuron.
-
-Without a compiler (or for half precision) torch's own kernels do the same work:
+Few tokens (T <= KERNEL_MAX_T, fp32) of an FFNWeights run the fp32 C++ kernel torch.ops.pinfer.ffn_sparse_rows when
+the kernels are built (a K-quant model's float copy); without a compiler (or for half precision) torch's own kernels
+do the same work:
 - gate/up dot products with torch.sparse.sampled_addmm (SDDMM): a CSR pattern whose columns are the rows 2i, 2i+1 of
   gate_up viewed as [2*n_ff, d]; torch computes x . row for each stored column, in place, split across threads by
   CSR rows (the pattern is cut into one row per thread).
@@ -21,10 +31,6 @@ Without a compiler (or for half precision) torch's own kernels do the same work:
   Few tokens (2 <= T < GATHER_MIN_T) use one CSR row / one bag per token.
 More tokens gather the rows once into a reused workspace (index_select(out=)) and run GEMMs, which are
 compute-efficient.
-
-`ffn_masked` (per-row masks) and `ffn_auto` (one index set) decide dense vs union-of-masks sparse for T tokens by the
-measured rule `sparse_pays(T, n_active, n_ff)`. Everything here is exact: for any index set the result equals the
-dense FFN with the other neurons zeroed.
 
 Measured (benchmarks/sparse_ops.py, Llama-7B layer, fp32, 2 threads, random 10% of neurons): dense 25.8 ms (21 GB/s,
 MKL GEMV); the C++ kernel 2.8 ms (9.2x, 19 GB/s; 10x is the bytes bound), torch's kernels 4.2 ms (6.2x, 13 GB/s).
@@ -39,14 +45,15 @@ from __future__ import annotations
 import mmap
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from formats.errors import PinferError
 
-from . import cpu_kernels
+from . import cpu_kernels, qops
+from .weights import QWeight
 
 ACTIVATIONS = ("silu", "relu", "drelu")
 ACT_CODES = {"silu": 0, "relu": 1, "drelu": 2}  # the act argument of torch.ops.pinfer.ffn_sparse_rows
@@ -156,26 +163,132 @@ def pack_ffn(gate, up, down, *, down_transposed: bool, act: str, dtype: torch.dt
     return FFNWeights(gate_up, down_t, act)
 
 
+@dataclass(eq=False)
+class FFNRows:
+    """One layer's FFN as the file stores it, neuron-major: row i of gate, up and down_t belongs to neuron i.
+    down_t is PowerInfer's ffn_down_t (W_down transposed; runtime/loader.py makes one when the file has none)."""
+
+    gate: QWeight | None  # None: a gate-less FFN (Falcon, OPT), act(up x + b), where up decides activity
+    up: QWeight
+    down_t: QWeight | None  # None in dense mode over a file that stores ffn_down (runtime.ffn_dense uses that)
+    act: str  # "silu" | "relu" | "drelu" (gated); "relu" | "gelu" (gate-less)
+    up_bias: torch.Tensor | None = None  # float32 [n_ff] (OPT)
+    _packed: FFNWeights | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.code = qops.act_code(self.act, self.gate is not None)
+        self.all_idx = torch.arange(self.n_ff)
+
+    @property
+    def n_ff(self) -> int:
+        return self.up.rows
+
+    @property
+    def n_embd(self) -> int:
+        return self.up.cols
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the C++ kernel reads these rows in place (else the float copy of packed() is used)."""
+        return qops.kernels_for(self.gate, self.up, self.down_t)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in (self.gate, self.up, self.down_t) if w is not None)
+
+    def packed(self) -> FFNWeights:
+        """The float32 copy the torch fallback computes on, made on first use."""
+        if self._packed is None:
+            if self.down_t is None:
+                raise ValueError("no down_t rows: the loader builds FFNRows with down_t for sparse execution")
+            if self.gate is None or self.up_bias is not None:
+                raise PinferError("the torch fallback has no gate-less FFN; build pinfer's C++ kernels (needs g++)")
+            self._packed = pack_ffn(self.gate.dequantize(), self.up.dequantize(), self.down_t.dequantize(),
+                                    down_transposed=True, act=self.act)
+        return self._packed
+
+    def pre_activations(self, x: torch.Tensor, idx: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(gate, up + bias) [T, k] of neurons idx (all by default) for x [T, d]; gate is None for gate-less FFNs.
+        GEMMs over the weights (all neurons) or over the selected rows dequantised into a workspace: never a copy of
+        a whole matrix."""
+        ws = [w for w in (self.gate, self.up) if w is not None]
+        if idx is None:
+            a = qops.matmul(x, ws)  # (T, n_gates * n_ff): the gate block, then the up block
+            k = self.n_ff
+        else:
+            k = idx.numel()
+            a = F.linear(x.float(), torch.cat([qops.embed(w, idx) for w in ws]))
+        u = a[:, -k:]
+        if self.up_bias is not None:
+            u = u + (self.up_bias if idx is None else self.up_bias[idx])
+        return (a[:, :k] if self.gate is not None else None), u
+
+    def hidden(self, x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Activations h [T, k] of neurons idx (all by default)."""
+        return activate(*self.pre_activations(x, idx), self.act)
+
+    def down(self, h: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_j h[:, j] * down_t[idx_j] -> [T, d] (idx: all neurons by default)"""
+        if idx is None:
+            return qops.matmul_t(h, self.down_t)
+        return h.float() @ qops.embed(self.down_t, idx)
+
+
+def activate(gate: torch.Tensor | None, up: torch.Tensor, act: str) -> torch.Tensor:
+    """The FFN's hidden activation from its pre-activations; gate is None for gate-less FFNs (Falcon, OPT)."""
+    if gate is None:
+        if act == "relu":  # ReluFalcon, OPT
+            return F.relu(up)
+        if act == "gelu":  # Falcon (exact erf form, as HF's "gelu")
+            return F.gelu(up)
+    elif act == "silu":  # SwiGLU (Llama, SmolLM2)
+        return F.silu(gate) * up
+    elif act == "relu":  # ReGLU (ReluLLaMA, ProSparse)
+        return F.relu(gate) * up
+    elif act == "drelu":  # dReLU (Bamboo)
+        return F.relu(gate) * F.relu(up)
+    raise ValueError(f"unknown FFN activation {act!r} {'with' if gate is not None else 'without'} a gate")
+
+
 def _activate(a: torch.Tensor, act: str) -> torch.Tensor:
     """a: (..., 2) pairs (gate, up) -> hidden activations (...)."""
-    g, u = a[..., 0], a[..., 1]
-    if act == "relu":
-        return F.relu(g) * u
-    if act == "drelu":
-        return F.relu(g) * F.relu(u)
-    return F.silu(g) * u
+    return activate(a[..., 0], a[..., 1], act)
 
 
-def ffn_dense(w: FFNWeights, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole FFN for x [T, d] -> [T, d]: one GEMM over gate_up, the activation, one GEMM over down_t.
-    keep: optional indices; every other neuron's activation is zeroed (the semantics of ffn_sparse)."""
+def ffn_dense(w: FFNRows | FFNWeights, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole FFN for x [T, d] -> [T, d]. keep: optional indices; every other neuron's activation is zeroed (the
+    semantics of ffn_sparse)."""
+    if isinstance(w, FFNRows):
+        if not w.kernels:
+            return ffn_dense(w.packed(), x, keep)
+        if x.shape[0] <= KERNEL_MAX_T:  # the kernel over every neuron (or keep): each row read once, in place
+            return _qffn(w, x, keep, None)[0]
+        h = w.hidden(x)
+        if keep is not None:
+            h = h * _keep_mask(keep, w.n_ff)
+        return w.down(h)
     a = F.linear(x, w.gate_up.view(2 * w.n_ff, w.n_embd))  # (T, 2 n_ff), pairs (gate_i, up_i)
     h = _activate(a.view(-1, w.n_ff, 2), w.act)  # (T, n_ff)
     if keep is not None:
-        mask = torch.zeros(w.n_ff, dtype=h.dtype)
-        mask[keep] = 1
-        h = h * mask
+        h = h * _keep_mask(keep, w.n_ff, h.dtype)
     return h @ w.down_t
+
+
+def _keep_mask(keep: torch.Tensor, n_ff: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    mask = torch.zeros(n_ff, dtype=dtype)
+    mask[keep] = 1
+    return mask
+
+
+def _qffn(w: FFNRows, x: torch.Tensor, idx: torch.Tensor | None, row_mask: torch.Tensor | None,
+          cats: float = 0.0) -> tuple[torch.Tensor, int]:
+    """torch.ops.pinfer.qffn_sparse over the rows in place: (y [T, d], nonzero (token, neuron) pairs)."""
+    g = w.gate
+    return torch.ops.pinfer.qffn_sparse(
+        x.float().contiguous(), None if g is None else g.data, 0 if g is None else int(g.qtype), w.up.data,
+        int(w.up.qtype), w.down_t.data, int(w.down_t.qtype), None if idx is None else idx.contiguous(),
+        None if row_mask is None else row_mask.to(torch.bool).contiguous(), w.code, w.up_bias, cats)
 
 
 # --- sparse ------------------------------------------------------------------------------------------------------
@@ -241,7 +354,7 @@ def kernel_applies(w: FFNWeights, T: int) -> bool:
     return T <= KERNEL_MAX_T and w.dtype == torch.float32 and cpu_kernels.available()
 
 
-def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None,
+def ffn_sparse(w: FFNRows | FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None,
                row_mask: torch.Tensor | None = None, use_kernels: bool = True) -> torch.Tensor:
     """The FFN for x [T, d] computed on neurons idx only (LongTensor, sorted or not, no duplicates): the dense FFN with
     every other neuron's activation set to zero. For ReLU variants and idx = every neuron that fires for any row
@@ -252,6 +365,13 @@ def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: in
     k = idx.numel()
     if k == 0:
         return x.new_zeros(T, w.n_embd)
+    if isinstance(w, FFNRows):
+        if not (use_kernels and w.kernels):
+            return ffn_sparse(w.packed(), x, idx, threads=threads, row_mask=row_mask, use_kernels=use_kernels)
+        if T <= KERNEL_MAX_T:
+            return _qffn(w, x, idx, row_mask)[0]
+        h = w.hidden(x, idx)  # many tokens: the selected rows dequantised into a workspace, then GEMMs
+        return w.down(h if row_mask is None else h * row_mask, idx)
     if use_kernels and kernel_applies(w, T):
         rm = None if row_mask is None else row_mask.to(torch.bool).contiguous()
         return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, idx.contiguous(), rm,
@@ -272,13 +392,23 @@ def ffn_sparse(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: in
     return h @ down
 
 
-def ffn_exact_relu(w: FFNWeights, x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """ReLU/dReLU, few tokens: the exact FFN through the C++ kernel over every neuron, which reads each gate row and
-    the up and down rows of the active neurons only (~40% of the dense bytes at 90% sparsity). Returns (result, number
-    of active (token, neuron) pairs), or None where the kernel does not apply (SwiGLU, half precision, no compiler)."""
+def ffn_exact(w: FFNRows | FFNWeights, x: torch.Tensor, cats: float = 0.0, idx: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, int] | None:
+    """Exact sparse FFN of a few tokens through the C++ kernel over every neuron (or the neurons idx): for ReLU-family
+    FFNs it reads each gate row and the other rows of the active neurons only (~40% of the dense bytes at 90%
+    sparsity); for SwiGLU with a CATS threshold (cats > 0) the neurons with |silu(gate)| <= cats count as inactive.
+    Returns (result, number of active (token, neuron) pairs), or None where the kernel does not apply (then mask and
+    compute)."""
+    if isinstance(w, FFNRows):
+        if not w.kernels:
+            return ffn_exact(w.packed(), x, cats, idx)
+        if x.shape[0] > KERNEL_MAX_T or (w.act == "silu" and cats <= 0):
+            return None
+        return _qffn(w, x, idx, None, cats)
     if w.act == "silu" or not kernel_applies(w, x.shape[0]):
-        return None
-    return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, w.all_idx, None, ACT_CODES[w.act])
+        return None  # SwiGLU (CATS): the masker computes the masks
+    return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, w.all_idx if idx is None else idx,
+                                            None, ACT_CODES[w.act])
 
 
 # --- dense or sparse ---------------------------------------------------------------------------------------------
@@ -304,18 +434,22 @@ def union_indices(mask: torch.Tensor) -> torch.Tensor:
     return m.nonzero().view(-1)
 
 
-def ffn_masked(w: FFNWeights, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def ffn_masked(w: FFNRows | FFNWeights, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Row t of x [T, d] computed on its own active neurons mask[t] (bool [T, n_ff]; the others zeroed), so a row's
     result never depends on the other rows of the batch. Runs on the union of the rows' masks by ffn_sparse, or by
     ffn_dense when the measured rule says the union is too dense for sparse to pay."""
     idx = union_indices(mask)
     if sparse_pays(x.shape[0], idx.numel(), w.n_ff):
         return ffn_sparse(w, x, idx, row_mask=mask[:, idx])
+    if isinstance(w, FFNRows):
+        if not w.kernels:
+            return ffn_masked(w.packed(), x, mask)
+        return w.down(w.hidden(x) * mask)
     a = F.linear(x, w.gate_up.view(2 * w.n_ff, w.n_embd))  # (T, 2 n_ff)
     return (_activate(a.view(-1, w.n_ff, 2), w.act) * mask) @ w.down_t
 
 
-def ffn_auto(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def ffn_auto(w: FFNRows | FFNWeights, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The FFN on neurons idx (the union of the rows' masks), by ffn_sparse when the measured rule says it pays for
     this many tokens, else by ffn_dense with the other neurons zeroed: the result never depends on the choice."""
     if sparse_pays(x.shape[0], idx.numel(), w.n_ff):

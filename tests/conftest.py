@@ -1,10 +1,27 @@
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(2)
+# Tests never write into the real ~/.cache: the C++ kernels (and pi-plan's measurements) go to one stable temporary
+# cache, so the suite builds the kernels once across runs.
+os.environ.setdefault("PINFER_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"pinfer-test-cache-{os.getuid()}"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_caches(tmp_path_factory):
+    """No test writes the real ~/.cache: pinfer's cache (pi-plan's measurements and calibrations, the C++ kernels,
+    built once per session here) and anything else that honours XDG_CACHE_HOME go to a directory of this session,
+    subprocesses included. Planner tests give each test its own PINFER_CACHE_DIR on top."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PINFER_CACHE_DIR", str(root / "pinfer"))
+        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        yield
 
 
 def smollm2_path() -> Path | None:

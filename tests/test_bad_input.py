@@ -77,11 +77,6 @@ def test_prompt_longer_than_context(tmp_path):
     assert_one_line_error(code, out, "context holds 16", "--ctx-size")
 
 
-def test_bad_dtype(tmp_path):
-    write_tiny(tmp_path / "m.gguf")
-    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi", "--dtype", "f8"), "unknown dtype")
-
-
 def test_verbose_shows_traceback(tmp_path):
     code, out = run(tmp_path / "nope.gguf", "-p", "hi", "--verbose")
     assert code != 0 and "Traceback" in out
@@ -95,3 +90,85 @@ def test_json_output(tmp_path):
     assert code == 0, out
     obj = json.loads(out)
     assert len(obj["tokens"]) == 5 and obj["timings"]["decode_tokens"] == 5 and isinstance(obj["text"], str)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["-c", "0"], ["-c/--ctx-size", "at least 1", "got 0"]),
+    (["-c", "-4", "--perplexity", "FILE"], ["-c/--ctx-size", "at least 1"]),
+    (["-t", "-3"], ["-t/--threads", "at least 1", "got -3"]),
+    (["-t", "0"], ["-t/--threads", "at least 1"]),
+    (["--top-p", "2"], ["--top-p", "[0, 1]", "got 2"]),
+    (["--top-p", "nan"], ["--top-p", "[0, 1]"]),
+    (["--min-p", "2"], ["--min-p", "[0, 1]", "got 2"]),
+    (["--repeat-penalty", "-1"], ["--repeat-penalty", "> 0", "got -1"]),
+    (["--repeat-penalty", "0"], ["--repeat-penalty", "> 0"]),
+    (["--top-k", "-5"], ["--top-k", ">= 0"]),
+    (["--repeat-last-n", "-1"], ["--repeat-last-n", ">= 0"]),
+    (["--temp", "inf"], ["--temp", "finite"]),
+    (["--seed", str(1 << 64)], ["--seed", "2^64"]),
+])
+def test_option_out_of_range(tmp_path, args, needles):
+    write_tiny(tmp_path / "m.gguf")
+    (tmp_path / "t.txt").write_text("some text " * 20)
+    args = [str(tmp_path / "t.txt") if a == "FILE" else a for a in args]
+    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi", "-n", "2", *args), *needles)
+
+
+def test_too_many_threads_are_capped_with_a_warning(tmp_path):
+    import os
+
+    import torch
+
+    write_tiny(tmp_path / "m.gguf")
+    cores = len(os.sched_getaffinity(0))
+    try:
+        res = runner.invoke(app, [str(tmp_path / "m.gguf"), "-p", "hi", "-n", "2", "-t", "1000", "--json"])
+        assert res.exit_code == 0, res.output
+        assert res.stderr.strip() == (f"pi-run: warning: -t 1000 is more than the {cores} cores this process may "
+                                      f"use; using {cores}")
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("temp", ["0", "0.8"])
+def test_corrupt_weights_giving_nan_logits(tmp_path, temp):
+    cfg = tiny_config()
+    w = random_weights(cfg)
+    w[C.tensor(C.FFN_DOWN, 1)][3, 5] = np.nan  # one corrupt value: every logit becomes NaN
+    write_llama(tmp_path / "m.gguf", cfg, w)
+    code, out = run(tmp_path / "m.gguf", "-p", "hi", "-n", "3", "--temp", temp, "--json")
+    assert_one_line_error(code, out, "m.gguf", "weights are corrupt", "not finite")
+
+
+def test_unreadable_model_file(tmp_path, monkeypatch):
+    import builtins
+    import os
+
+    write_tiny(tmp_path / "m.gguf")
+    path = tmp_path / "m.gguf"
+    path.chmod(0)
+    if os.geteuid() == 0:  # root reads it anyway: refuse it as the kernel would refuse another user
+        real_open = builtins.open
+
+        def denied(file, *a, **kw):
+            if str(file) == str(path):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *a, **kw)
+
+        monkeypatch.setattr(builtins, "open", denied)
+    try:
+        assert_one_line_error(*run(path, "-p", "hi"), "m.gguf", "permission denied")
+    finally:
+        path.chmod(0o644)
+
+
+def test_vocabulary_the_tokenizer_library_rejects(tmp_path):
+    from formats.model_writer import byte_vocab
+
+    cfg = tiny_config()
+    vocab = byte_vocab(cfg.vocab_size)
+    vocab[C.TOKENIZER_MERGES] = [*vocab[C.TOKENIZER_MERGES], "zz qq"]  # a merge of tokens that do not exist
+    write_llama(tmp_path / "m.gguf", cfg, random_weights(cfg), tokenizer=vocab)
+    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi"), "m.gguf", "tokenizer library rejects",
+                          "out of vocabulary")

@@ -46,28 +46,27 @@ def test_kernel_rejects_out_of_range_indices():
         S.ffn_sparse(w, torch.randn(1, 4), torch.tensor([-1]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("r,d,n_ff", [(128, 256, 700), (12, 37, 77), (3, 16, 5)])
-def test_fused_predictor_equals_torch(r, d, n_ff):
-    """predict_active (fc2 stored transposed, axpy over the live hidden units) against the torch predictor: the same
+def test_fused_predictor_equals_torch(r, d, n_ff, dtype):
+    """Predictor.fused_indices (the C++ kernel over fc1/fc2 as stored) against the torch predictor: the same
     neurons, except ones whose score lies within rounding of the threshold."""
     from runtime.predictor import Predictor
 
     assert cpu_kernels.available(), cpu_kernels.status()
     gen = torch.Generator().manual_seed(r)
-    fc1, fc2 = torch.randn(r, d, generator=gen), torch.randn(n_ff, r, generator=gen)
-    fused = Predictor(fc1, fc2.t().contiguous().t(), threshold=0.5)
-    plain = Predictor(fc1, fc2.contiguous(), threshold=0.5)
-    assert plain.fused_indices(torch.randn(1, d)) is None  # fc2 not stored transposed: the caller uses mask()
+    fc1, fc2 = torch.randn(r, d, generator=gen).to(dtype), torch.randn(n_ff, r, generator=gen).to(dtype)
+    pred = Predictor(fc1, fc2, threshold=0.5)
     always = torch.tensor([0, n_ff - 1])
     for _ in range(5):
         x = torch.randn(1, d, generator=gen)
-        idx_fused = fused.fused_indices(x, always)
+        idx_fused = pred.fused_indices(x, always)
         assert torch.all(idx_fused[1:] > idx_fused[:-1])  # ascending, no duplicates
         got = torch.zeros(n_ff, dtype=torch.bool)
         got[idx_fused] = True
-        want = plain.mask(x)[0]
+        want = pred.mask(x)[0]
         want[always] = True
-        scores = plain.scores(x)[0]
+        scores = pred.scores(x)[0]
         near = (scores - 0.5).abs() <= 1e-4 * scores.abs().max()
         assert torch.equal(got[~near], want[~near])
         assert got[always].all()

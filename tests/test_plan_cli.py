@@ -36,6 +36,29 @@ def plan(*args):
     return runner.invoke(app, ["plan", *map(str, args), *CPU_OPTS])
 
 
+# A slow CPU and small fixed GPU costs (as test_plan_helpers.fast_hw): with a datasheet GPU's launch and sync costs,
+# a tiny model runs fastest wholly on the CPU and a plan places no neuron at all.
+FAST_HW = ("[cpu]\ncores = 4\nmem_bw_gbs = 2\nhost_ram_gib = 64\nop_us = 0.01\ntoken_us = 0\n"
+           "[pcie]\nlatency_us = 0.05\n[engine]\ngpu_launch_us = 0.01\nsync_us = 0.05\n")
+
+
+def split_budget(model: Path, share: float = 0.5) -> str:
+    """--vram-budget (GiB) for the GPU workspace, output head, predictors and `share` of the FFN neurons' bytes."""
+    from planner.memory import account
+
+    mb = account(open_gguf(model))
+    fixed = mb.gpu_workspace + mb.output + sum(lb.pred for lb in mb.layers)
+    return f"{(fixed + share * sum(lb.ffn for lb in mb.layers)) / (1 << 30):.12f}"
+
+
+def plan_split(model: Path, tmp_path: Path, *args):
+    """A plan that puts about half of the neurons on the GPU."""
+    hw = tmp_path / "fast.toml"
+    hw.write_text(FAST_HW)
+    return runner.invoke(app, ["plan", str(model), "--hw", str(hw), "--vram-budget", split_budget(model),
+                               *map(str, args)])
+
+
 def one_line_error(result, *fragments):
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
@@ -48,10 +71,11 @@ def one_line_error(result, *fragments):
 
 # --- what a plan writes ---------------------------------------------------------------------------------------------
 
-def test_plan_writes_the_model_and_gpuidx(model):
-    r = plan(model, "--gpu", "rtx4090", "--vram-budget", "0.3", "--export-gpuidx", "--json")
+def test_plan_writes_the_model_and_gpuidx(model, tmp_path):
+    r = plan_split(model, tmp_path, "--gpu", "rtx4090", "--export-gpuidx", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
+    assert 0.2 <= d["plan"]["gpu_neuron_share"] <= 0.8  # a real share of the neurons: the masks below mean something
     assert d["written"] == str(model) and d["gpuidx"] == str(model) + ".generated.gpuidx"
     assert d["plan"]["status"] == "optimal" and set(d["baselines"]) == {"layers", "powerinfer", "cpu", "gpu"}
     f = open_gguf(model)
@@ -61,6 +85,7 @@ def test_plan_writes_the_model_and_gpuidx(model):
     assert f.get(C.PLAN_TOKENS_PER_S) == pytest.approx(d["plan"]["tokens_per_s"], rel=1e-6)
     counts = [r_["gpu_neurons"] for r_ in d["plan"]["layers"]]
     assert list(f.get(C.PLAN_GPU_NEURONS)) == counts
+    assert sum(counts) == pytest.approx(d["plan"]["gpu_neuron_share"] * 3 * 96)
 
     g = open_gguf(d["gpuidx"])
     assert g.magic == C.PWRI_MAGIC and g.version == 3
@@ -68,6 +93,7 @@ def test_plan_writes_the_model_and_gpuidx(model):
     assert g.value_types[C.SPLIT_VRAM_CAPACITY][0] == 10  # u64, as PowerInfer reads it
     names = list(g.tensors)
     assert names == [C.tensor(t, b) for b in range(3) for t in (C.GPU_IDX, C.GPU_BUCKET)]  # PowerInfer's order
+    checked = 0
     for b in range(3):
         mask, bucket = g.raw(C.tensor(C.GPU_IDX, b)), g.raw(C.tensor(C.GPU_BUCKET, b))
         assert mask.dtype == np.int32 and bucket.dtype == np.int32 and mask.shape == (96,)
@@ -77,6 +103,8 @@ def test_plan_writes_the_model_and_gpuidx(model):
         freq = np.asarray(f.raw(C.tensor(C.ACT_COUNTS, b)))
         if 0 < counts[b] < 96:
             assert freq[mask == 1].min() >= freq[mask == 0].max()
+            checked += 1
+    assert checked >= 1  # at least one layer is split, so the order was checked
     assert g.get(C.SPLIT_VRAM_CAPACITY) <= sum(d["plan"]["vram_used"])
 
 
@@ -317,10 +345,50 @@ def test_plan_for_another_model_is_refused(tmp_path):
 def test_plan_made_on_a_skeleton_applies_to_the_real_model(tmp_path):
     real = tiny_model(tmp_path / "real.gguf")
     skel = skeleton_from(real, tmp_path / "skel.gguf")
-    assert plan(skel, "--gpu", "t4", "--vram-budget", "0.3").exit_code == 0
+    r = plan_split(skel, tmp_path, "--gpu", "t4")
+    assert r.exit_code == 0, r.output
+    on_gpu = sum(int(np.asarray(open_gguf(skel).raw(C.tensor(C.GPU_IDX, b))).sum()) for b in range(3))
+    assert 0.2 * 3 * 96 <= on_gpu <= 0.8 * 3 * 96  # a real share: equal masks below are not all zeros
     r = runner.invoke(app, ["apply", str(real), "--from", str(skel)])
     assert r.exit_code == 0, r.output
     f, s = open_gguf(real), open_gguf(skel)
     for b in range(3):
         assert np.array_equal(f.raw(C.tensor(C.GPU_IDX, b)), s.raw(C.tensor(C.GPU_IDX, b)))
     assert f.get(C.PLAN_FINGERPRINT) == s.get(C.PLAN_FINGERPRINT)
+
+
+@pytest.mark.parametrize("ctx", ["0", "-5"])
+def test_nonsense_context_size(unchanged, ctx):
+    one_line_error(plan(unchanged, "--gpu", "t4", "--ctx-size", ctx), "--ctx-size", "at least 1", ctx)
+    one_line_error(runner.invoke(app, ["compare", str(unchanged), "--gpu", "t4", "--ctx-size", ctx, *CPU_OPTS]),
+                   "--ctx-size", ctx)
+
+
+@pytest.mark.parametrize("spec", ["+", "t4+", "+t4", "t4++l4"])
+def test_compare_gpu_with_an_empty_name(unchanged, spec):
+    one_line_error(runner.invoke(app, ["compare", str(unchanged), "--gpu", spec, *CPU_OPTS]),
+                   f"--gpu '{spec}'", "empty GPU name")
+
+
+def test_unknown_gap_is_reported_as_unknown(tmp_path, monkeypatch):
+    """A solve stopped by its time limit whose bound the solver does not give: null in JSON, "unknown" in the table
+    and in `show`, no gap key in the file; never 0."""
+    from planner import ilp
+
+    model = tiny_model(tmp_path / "m12.gguf", n_layer=12)  # 3 layers: CBC's root LP is integral before any clock
+
+    monkeypatch.setattr(ilp, "_relaxation_bound", lambda *a: None)
+    r = plan_split(model, tmp_path, "--gpu", "rtx4090", "--time-limit", "1e-9", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)["plan"]
+    assert d["status"] == "time limit" and d["gap"] is None
+    assert open_gguf(model).get(C.PLAN_GAP) is None and open_gguf(model).get(C.PLAN_STATUS) == "time limit"
+    r = plan_split(model, tmp_path, "--gpu", "rtx4090", "--time-limit", "1e-9", "--dry-run")
+    assert "gap unknown" in r.stdout and "0.000%" not in r.stdout
+    r = runner.invoke(app, ["show", str(model)])
+    assert "gap: unknown" in r.stdout
+    small = tiny_model(tmp_path / "m3.gguf", n_layer=3)
+    r = plan_split(small, tmp_path, "--gpu", "rtx4090", "--json")  # a complete solve: CBC's tolerance bounds it
+    d = json.loads(r.stdout)["plan"]
+    assert d["status"] == "optimal" and 0 < d["gap"] <= 1e-3 + 1e-12
+    assert open_gguf(small).get(C.PLAN_GAP) == pytest.approx(d["gap"], rel=1e-6)

@@ -2,12 +2,14 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from formats.errors import PinferError
-from planner import calibration, hardware
+from planner import machine
 from planner.calibration import Sample, calibrate, fit
-from planner.hardware import CPU, gpu_table, load_hw_file, lookup_gpu, resolve_hardware
+from planner.hardware import CPU, gpu_table, load_hw_file, lookup_gpu
+from planner.machine import resolve_hardware
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +25,7 @@ def no_measuring(monkeypatch):
         calls.append(cores)
         return 12.5 * cores
 
-    monkeypatch.setattr(hardware, "measure_cpu_bandwidth", fake)
+    monkeypatch.setattr(machine, "measure_cpu_bandwidth", fake)
     return calls
 
 
@@ -63,7 +65,7 @@ def test_cpu_bandwidth_is_measured_once(no_measuring):
     a = resolve_hardware(["t4"], cpu_cores=3)
     b = resolve_hardware(["t4"], cpu_cores=3)
     assert no_measuring == [3] and a.cpu.mem_bw_gbs == b.cpu.mem_bw_gbs == 37.5
-    cached = json.loads((hardware.cache_dir() / "cpu.json").read_text())
+    cached = json.loads((machine.cache_dir() / "cpu.json").read_text())
     assert any(k.endswith("|3") for k in cached)
 
 
@@ -91,24 +93,38 @@ def _samples(per_byte, per_op, per_token):
 def test_calibration_fit_recovers_constants():
     got = fit(_samples(1 / 8e9, 20e-6, 3e-3))
     assert got == pytest.approx((1 / 8e9, 20e-6, 3e-3), rel=1e-6)
-    # never negative, even when the data would like it
-    per_byte, per_op, per_token = fit([Sample("a", 1e8, 100, 0.01), Sample("b", 2e8, 100, 0.019)])
-    assert per_byte > 0 and per_op >= 0 and per_token >= 0
+
+
+def test_calibration_is_never_negative():
+    # More operators, less time: unconstrained least squares wants a negative cost per operator (and a negative
+    # cost per token); the fit must drop those terms instead.
+    data = [Sample("a", 1e8, 100, 0.0100), Sample("b", 1e8, 300, 0.0090), Sample("c", 2e8, 100, 0.0195),
+            Sample("d", 2e8, 300, 0.0185), Sample("e", 3e8, 200, 0.0283)]
+    X = np.array([[s.cpu_bytes, s.cpu_ops, 1.0] for s in data])
+    y = np.array([s.seconds for s in data])
+    unconstrained, *_ = np.linalg.lstsq(X / y[:, None], np.ones(len(y)), rcond=None)
+    assert unconstrained[1] < 0  # the case needs the constraint
+    per_byte, per_op, per_token = fit(data)
+    assert per_byte > 0 and per_op == 0 and per_token >= 0
+    assert per_byte == pytest.approx(1e-10, rel=0.1)  # ~10 GB/s, as the data say
 
 
 def test_calibration_is_cached_and_applied(no_measuring, monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_name", lambda: "Test CPU")
-    monkeypatch.setattr(hardware, "detect_cores", lambda: 2)
+    monkeypatch.setattr(machine, "cpu_name", lambda: "Test CPU")
+    monkeypatch.setattr(machine, "detect_cores", lambda: 2)
+    assert machine.this_cpu_key() == "Test CPU|2"
     cal = calibrate("Test CPU|2", 25.0, _samples(1 / 5e9, 40e-6, 2e-3))
     assert cal.bw_gbs == pytest.approx(5.0) and cal.op_us == pytest.approx(40) and cal.token_us == pytest.approx(2000)
-    assert calibration.load("Test CPU|2").bw_gbs == pytest.approx(5.0)
+    assert machine.load_calibration("Test CPU|2") is None  # fitting stores nothing
+    machine.save_calibration(cal)
+    assert machine.load_calibration("Test CPU|2").bw_gbs == pytest.approx(5.0)
     hw = resolve_hardware(["t4"])  # this machine's own CPU: calibrated
     assert hw.cpu.calibrated and hw.cpu.op_us == pytest.approx(40)
     assert hw.cpu.mem_bw_gbs * hw.cpu.bw_efficiency == pytest.approx(5.0)
     assert not resolve_hardware(["t4"], calibration=False).cpu.calibrated
     assert not resolve_hardware(["t4"], cpu_bw_gbs=30).cpu.calibrated  # a described CPU is not this machine's
-    calibration.forget("Test CPU|2")
-    assert calibration.load("Test CPU|2") is None
+    machine.forget_calibration("Test CPU|2")
+    assert machine.load_calibration("Test CPU|2") is None
 
 
 def test_cost_model_uses_the_link():
@@ -119,3 +135,14 @@ def test_cost_model_uses_the_link():
     fast, slow = Hardware(cpu, [lookup_gpu("rtx4090")]), Hardware(cpu, [lookup_gpu("rtx4060ti-16g")])
     assert speeds(fast)[1].bw > speeds(slow)[1].bw
     assert fast.pcie_gbs(fast.gpus[0]) == 2 * slow.pcie_gbs(slow.gpus[0])
+
+
+def test_cache_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PINFER_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty counts as unset (XDG spec), not as the working directory
+    assert machine.cache_dir() == tmp_path / "home" / ".cache" / "pinfer"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert machine.cache_dir() == tmp_path / "xdg" / "pinfer"
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "mine"))
+    assert machine.cache_dir() == tmp_path / "mine"

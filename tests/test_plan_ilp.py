@@ -1,12 +1,21 @@
 """The placement ILP against brute force, and the cost model against itself."""
 # ruff: noqa: E741 - l is a layer index, as in the formulation (sum over layers l)
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
+import pulp
 import pytest
 from test_plan_helpers import fast_hw, gpu, tiny_model
 
 from formats.reader import open_gguf
+from planner import ilp
 from planner.costmodel import evaluate
 from planner.ilp import build_model, solve
 from planner.memory import account
@@ -175,3 +184,159 @@ def test_evaluate_matches_hand_computation(tmp_path):
     assert list(ev.split) == [True, True, False]
     assert ev.vram[0] == (m.layers[0].attn + m.layers[0].kv + m.layers[0].pred + int(lb.neuron_bytes(5))
                           + m.layers[1].ffn + m.gpu_workspace)
+
+
+# --- what the solver reports, and what it leaves behind -------------------------------------------------------------
+
+@pytest.fixture
+def tmpdir_for_solvers(tmp_path, monkeypatch):
+    """The system temporary directory, private to the test: where solves put (and must remove) their files."""
+    d = tmp_path / "systemp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+@pytest.fixture
+def small_problem(tmp_path):
+    path = tiny_model(tmp_path / "m.gguf", n_layer=12)  # few layers: CBC's root LP is integral before any clock
+    half = account(open_gguf(path)).total // 2
+    return build_problem(path, fast_hw([gpu(budget_bytes=half, model=path)]))
+
+
+RELAX = ilp._relaxation_bound
+
+
+def test_time_limited_gap_is_a_bound_or_unknown(small_problem, monkeypatch):
+    """A solve stopped by its time limit reports an upper bound on its gap taken from the solver, or None: never a
+    made-up 0."""
+    monkeypatch.setattr(ilp, "_relaxation_bound", lambda *a: None)  # the solver gives no bound
+    sol = solve(small_problem, time_limit=1e-9)  # stops at once, with its start as incumbent
+    assert sol.status == "time limit" and sol.evaluation.fits
+    assert sol.gap is None and any("gap unknown" in n for n in sol.notes)
+
+    monkeypatch.setattr(ilp, "_relaxation_bound", lambda prob, tmp, tl, threads: RELAX(prob, tmp, 30.0, threads))
+    sol = solve(small_problem, time_limit=1e-9)  # the relaxation alone gets time enough
+    assert sol.status == "time limit" and sol.gap is not None and sol.gap >= 0
+    assert any(f"gap at most {sol.gap:.2%}" in n for n in sol.notes)
+    bound = sol.ilp_value * (1 - sol.gap)
+    longer = solve(small_problem, time_limit=2)
+    assert bound <= longer.ilp_value * (1 + 1e-9)  # a bound below every solution, a longer solve's too
+
+
+def test_solver_files_go_and_stale_ones_are_removed(small_problem, tmpdir_for_solvers, monkeypatch):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = tmpdir_for_solvers / f"{ilp.SOLVER_DIR}{int(dead.stdout)}-abc123"  # left by a kill -9
+    stale.mkdir()
+    (stale / "x-pulp.mps").write_bytes(b"0" * 1000)
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live_proc:
+        try:
+            live = tmpdir_for_solvers / f"{ilp.SOLVER_DIR}{live_proc.pid}-def456"  # another solve, running
+            live.mkdir()
+            dirs = []
+            real = pulp.LpProblem.solve
+
+            def spy(prob, engine):
+                dirs.append(engine.tmpDir)  # where PuLP writes its .mps, .mst and .sol files
+                return real(prob, engine)
+
+            monkeypatch.setattr(pulp.LpProblem, "solve", spy)
+            solve(small_problem)
+            assert dirs and os.path.dirname(dirs[-1]) == str(tmpdir_for_solvers)
+            assert os.path.basename(dirs[-1]).startswith(f"{ilp.SOLVER_DIR}{os.getpid()}-")
+            assert sorted(os.listdir(tmpdir_for_solvers)) == [live.name]  # ours gone, the stale one too
+        finally:
+            live_proc.kill()
+
+
+def test_interrupted_solve_leaves_nothing(small_problem, tmpdir_for_solvers, monkeypatch):
+    def interrupted(self, lp, **kw):
+        (Path(self.tmpDir) / "half-written-pulp.mps").write_text("...")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "solve_CBC", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        solve(small_problem)
+    assert os.listdir(tmpdir_for_solvers) == []
+
+
+def test_sigterm_stops_the_solver_and_cleans_up(tmp_path):
+    """pi-plan killed with SIGTERM in the middle of a solve: exit 143 with one line, its solver process stopped,
+    its solver directory removed."""
+    model = tiny_model(tmp_path / "m.gguf", n_layer=12)
+    total = account(open_gguf(model)).total
+    ws = account(open_gguf(model)).gpu_workspace
+    # fast_hw's constants and two GPUs: a problem CBC does not close within its time limit (and no coarse solve)
+    hw = tmp_path / "hw.toml"
+    hw.write_text("[cpu]\ncores = 8\nmem_bw_gbs = 2\nhost_ram_gib = 64\nop_us = 0.01\ntoken_us = 0\n"
+                  "[pcie]\nlatency_us = 0.05\n[engine]\ngpu_launch_us = 0.01\nsync_us = 0.05\n"
+                  + "".join(f"[[gpu]]\nname = 'g{i}'\nvram_gib = 80\nmem_bw_gbs = 800\npcie_gen = 4\n"
+                            f"pcie_lanes = 16\nfp16_tflops = 50\nvram_budget_gib = {(ws + total / d) / (1 << 30)}\n"
+                            for i, d in ((1, 2), (2, 4))))
+    systemp = tmp_path / "systemp"
+    systemp.mkdir()
+    env = dict(os.environ, TMPDIR=str(systemp), PINFER_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "planner.cli", str(model), "--hw", str(hw), "--dry-run", "--time-limit", "120"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    solver_pid, deadline = None, time.monotonic() + 120
+    while solver_pid is None and proc.poll() is None and time.monotonic() < deadline:
+        solver_pid = next((pid for pid in _children(proc.pid) if b"cbc" in _cmdline(pid)), None)
+        time.sleep(0.01)
+    assert solver_pid is not None, "the solve ended before CBC was seen"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip() == "pi-plan: terminated"
+    assert os.listdir(systemp) == []
+    for _ in range(100):  # the solver gets SIGTERM too; give it a moment (left alone it runs to its time limit)
+        if not _cmdline(solver_pid):
+            break
+        time.sleep(0.01)
+    assert not _cmdline(solver_pid)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_baselines_are_computed_once(tmp_path, monkeypatch):
+    """plan_model computes the baselines and hands them to the solve, whose start and coarse solve use them."""
+    from planner import baselines, cli
+    from planner.machine import resolve_hardware
+    from planner.skeleton import make_skeleton
+
+    path = make_skeleton("llama2-7b", tmp_path / "7b.gguf", quant="q4_0", n_layer=3)  # > 64 groups: a coarse solve
+    calls = []
+    real = baselines.all_baselines
+
+    def counted(p):
+        calls.append(p)
+        return real(p)
+
+    monkeypatch.setattr(cli, "all_baselines", counted)
+    monkeypatch.setattr(ilp, "all_baselines", counted)
+    coarse = []
+    real_solve = ilp.solve
+
+    def spy(p, *a, **kw):
+        coarse.append(p.bounds is not None)
+        return real_solve(p, *a, **kw)
+
+    monkeypatch.setattr(ilp, "solve", spy)  # the recursive coarse call goes through the module's name
+    hw = resolve_hardware(["rtx3060-12g"], cpu_cores=8, cpu_bw_gbs=40, host_ram=64, vram_budget_gib=1.0)
+    cli.plan_model(path, hw, write=False)
+    assert any(coarse), "no coarse solve: the test needs a model with more breakpoints"
+    assert len(calls) == 1

@@ -46,9 +46,16 @@ def scaled_hw(name: str, shape: str, path) -> Hardware:
 
 def check(p, hot_mass: bool):
     baselines = all_baselines(p)
-    sol = solve(p, "time")
+    sol = solve(p, "time", baselines=baselines)
     ev = sol.evaluation
-    assert sol.status == "optimal"
+    # Whether CBC proves optimality within its wall-clock limit depends on the machine's load; what holds either way:
+    # a feasible plan, no slower than any baseline, and a gap that is a real bound or said to be unknown.
+    assert sol.status in ("optimal", "time limit")
+    if sol.status == "optimal":
+        assert sol.gap is not None and 0 <= sol.gap
+    else:
+        assert sol.gap is None or sol.gap >= 0
+        assert any(("gap unknown" if sol.gap is None else f"gap at most {sol.gap:.2%}") in n for n in sol.notes)
     assert ev.fits and all(v <= g.budget_bytes for v, g in zip(ev.vram, p.hw.gpus, strict=True))
     for name, b in baselines.items():
         if b.time is not None:
@@ -57,7 +64,7 @@ def check(p, hot_mass: bool):
             assert all(v <= g.budget_bytes for v, g in zip(b.evaluation.vram, p.hw.gpus, strict=True))
     if hot_mass:
         pi = baselines["powerinfer"]
-        hm = solve(p, "hot-mass", fixed_dense=pi.plan)
+        hm = solve(p, "hot-mass", fixed_dense=pi.plan, baselines=baselines)
         assert hm.evaluation.fits
         assert hm.evaluation.hot_mass >= pi.evaluation.hot_mass - 1e-12
     return sol, baselines

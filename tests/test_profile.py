@@ -71,9 +71,8 @@ def forward_record(m, ids):
             self.ffn, self.i = ffn, i
 
         def __call__(self, x, residual):
-            gu = self.ffn.gate_up(x).float()
-            n = self.ffn.n_ff
-            seen[self.i] = (residual.clone(), gu[:, :n].clone(), gu[:, n:].clone())
+            gate, up = self.ffn.pre_activations(x)
+            seen[self.i] = (residual.clone(), gate.clone(), up.clone())
             return self.ffn(x, residual)
 
     try:
@@ -278,8 +277,8 @@ def test_predictor_dir_import(twelve_layers, tmp_path):
     preds = load_predictors(f, cfg.n_layer)
     for p, (fc1, fc2), r in zip(preds, weights, ranks, strict=True):
         assert p.hidden == r and p.threshold == pytest.approx(0.25)
-        torch.testing.assert_close(p.fc1, fc1.half().float())
-        torch.testing.assert_close(p.fc2, fc2.half().float())
+        torch.testing.assert_close(p.fc1, fc1.half())  # stored F16 and read as stored
+        torch.testing.assert_close(p.fc2, fc2.half())
 
 
 # --- predictors -------------------------------------------------------------------------------------------------------

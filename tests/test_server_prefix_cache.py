@@ -34,17 +34,22 @@ def greedy(m, ids, n=8, reuse=False):
     return list(m.generate(ids, max_tokens=n, temperature=0.0, stop_ids=set(), reuse_prefix=reuse))
 
 
+def cached_keys(m) -> torch.Tensor:
+    """The keys at every position the record claims, all layers: [n_layer, n_head_kv, positions, head_dim]."""
+    return torch.stack([k[:, :len(m.cached_ids)] for k in m.transformer.cache.k])
+
+
 def fresh(m, ids, n=8):
     """Tokens and cached keys of a run that prefills everything."""
     out = greedy(m, ids, n)
-    return out, m.transformer.cache.k[:, :, :len(m.cached_ids)].clone()
+    return out, cached_keys(m)
 
 
 def check_same_as_fresh(m, ids, expect_reused, n=8, atol=1e-4):
     out = greedy(m, ids, n, reuse=True)
     assert m.stats.reused_tokens == expect_reused
     assert m.stats.prompt_tokens == len(ids)
-    keys = m.transformer.cache.k[:, :, :len(m.cached_ids)].clone()
+    keys = cached_keys(m)
     cached = list(m.cached_ids)
     ref, ref_keys = fresh(m, ids, n)
     assert out == ref
@@ -129,7 +134,7 @@ def test_prefix_across_prefill_chunks(model, monkeypatch):
 
 @pytest.fixture(scope="module")
 def q4_model(tmp_path_factory):
-    """A tiny model whose matrices are Q4_0: prefill (16+ rows) runs a bf16 GEMM, fewer rows the int4 kernel."""
+    """A tiny model whose matrices are Q4_0: prefill (16+ rows) runs an fp32 GEMM, fewer rows 8-bit dot products."""
     cfg = tiny_config(n_ctx_train=256)
     w = random_weights(cfg)
     for name, a in list(w.items()):
@@ -143,7 +148,7 @@ def q4_model(tmp_path_factory):
 
 
 def test_quantised_model_reuse_takes_the_fresh_prefill_kernel(q4_model):
-    """The 12 new tokens alone would take the int4 kernel where a fresh prefill of the 40 takes the GEMM; keeping
+    """The 12 new tokens alone would take the decode path where a fresh prefill of the 40 takes the GEMM; keeping
     16 tokens to prefill gives the fresh run's keys, not just close ones."""
     a = prompt(40, 17)
     greedy(q4_model, a, reuse=True)

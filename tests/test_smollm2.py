@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 
 from formats.reader import open_gguf
@@ -42,11 +43,21 @@ def test_tokenizer_metadata(tok):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_llama_cpp_greedy_tokens_are_ours(smollm2_model):
+    """llama.cpp's greedy continuation of the same file, teacher-forced: every one of its tokens is our argmax too, or
+    within 0.05 of our best logit. Such near ties exist: after "Once upon a time, in a" llama.cpp itself puts
+    " Nova" 0.014 above " New", and float rounding decides them (ours picks " New" by 0.009)."""
+    m = smollm2_model
+    prompt = m.tokenizer.encode("Once upon a time")
+    logits = m.forward_logits(prompt + GOLDEN_GREEDY[:-1])[len(prompt) - 1:]
+    gaps = logits.max(-1) - logits[np.arange(len(GOLDEN_GREEDY)), GOLDEN_GREEDY]
+    assert gaps.max() < 0.05, gaps
+    assert (gaps == 0).sum() >= len(GOLDEN_GREEDY) - 1, gaps
+
+
 def test_greedy_generation_is_coherent_english(smollm2_model):
     m = smollm2_model
     out = list(m.generate(m.tokenizer.encode("Once upon a time"), max_tokens=48, temperature=0.0))
-    # the first tokens equal llama.cpp's greedy output on the same file
-    assert out[:len(GOLDEN_GREEDY)] == GOLDEN_GREEDY
     text = m.tokenizer.decode(out)
     words = re.findall(r"[A-Za-z']+", text)
     assert len(words) >= 25

@@ -56,8 +56,8 @@ def test_oracle_kernel_path_counts_like_the_masks(planted, monkeypatch):
         pytest.skip("PINFER_CPU_KERNELS=0: the C++ kernels are disabled")
     assert cpu_kernels.available(), cpu_kernels.status()  # a kernel that fails to build is a failure, not a skip
     calls = []
-    real = ffn_sparse.ffn_exact_relu
-    monkeypatch.setattr(ffn_sparse, "ffn_exact_relu", lambda *a: calls.append(1) or real(*a))
+    real = ffn_sparse.ffn_exact
+    monkeypatch.setattr(ffn_sparse, "ffn_exact", lambda *a: calls.append(1) or real(*a))
     ids = list(np.random.default_rng(3).integers(3, 250, 20))
     fast = load_model(planted, ffn_mode="oracle")
     got = decode_logits(fast, ids, 2)
@@ -82,9 +82,8 @@ def test_cats_oracle_equals_thresholded_dense(tmp_path):
         dense_ffn = b.ffn
 
         def masked(x, resid, ffn=dense_ffn, t=t):
-            gu = ffn.gate_up(x)
-            g, u = gu[:, :ffn.n_ff], gu[:, ffn.n_ff:]
-            return ffn.down(F.silu(g) * u * (F.silu(g).abs() > t))
+            g, u = ffn.pre_activations(x)
+            return ffn.down_proj(F.silu(g) * u * (F.silu(g).abs() > t))
 
         b.ffn = masked
     ids = list(range(10, 80, 5))
@@ -113,7 +112,7 @@ def test_predictor_masks_are_applied_per_token(tmp_path):
 
         def masked(x, resid, ffn=dense_ffn, fc1=fc1, fc2=fc2):
             keep = (F.relu(resid @ fc1.T) @ fc2.T) >= 0.02
-            return ffn.down(ffn.hidden(x) * keep)
+            return ffn.down_proj(ffn.hidden(x) * keep)
 
         b.ffn = masked
     ids = list(range(20, 60, 3))

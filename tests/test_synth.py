@@ -155,7 +155,7 @@ class _ActivityRecorder:
         h = self.ffn.hidden(x)
         self.count = self.count + (h != 0).sum(0)
         self.tokens += x.shape[0]
-        return self.ffn.down(h)
+        return self.ffn.down_proj(h)
 
 
 def test_runtime_activations_follow_the_plant(relu_model):

@@ -1,0 +1,144 @@
+// Dot products of weight rows with a few tokens, axpy over rows, and row dequantisation, for every weight type: the
+// drivers that cut any number of rows and tokens into the register tiles of quant.h. Used by qmatmul's streaming path,
+// the sparse FFN, the predictor and qembed/qdequant.
+//
+// Tile shapes (rows x tokens), from the register files: one token: 8 rows side by side on AVX-512 (8 accumulators +
+// 8 unpacked blocks + 8 scales of 32 ymm/zmm registers), 4 on AVX2 (16 registers). Several tokens: 4 x 4 on
+// AVX-512, 2 x 4 (blocks) / 4 x 2 (floats) on AVX2. A tile's rows are read from memory on its first token tile and from
+// L1 for the following ones (4 rows of a 4096-wide Q4_0 matrix are 9 KB), so a weight byte crosses DRAM once per call.
+// Several rows in flight also make several DRAM streams per core: the sparse FFN's rows are scattered, and one row at
+// a time per thread reads them at half the bandwidth (measured on the fp32 kernel: 4 streams 18 GB/s, 8 streams
+// 23 GB/s, 16 no better than 8).
+#include "kernels.h"
+
+namespace pinfer {
+
+namespace {
+
+#if defined(PINFER_AVX512)
+constexpr int Q_R1 = 8, Q_R = 4, Q_C = 4;  // block types: rows for one token; rows x tokens for several
+constexpr int F_R1 = 8, F_R = 4, F_C = 4;  // float types
+#elif defined(PINFER_AVX2)
+constexpr int Q_R1 = 4, Q_R = 2, Q_C = 4;
+constexpr int F_R1 = 8, F_R = 4, F_C = 2;
+#else
+constexpr int Q_R1 = 4, Q_R = 2, Q_C = 4;
+constexpr int F_R1 = 4, F_R = 2, F_C = 4;
+#endif
+
+template <int TY, int R, int C>
+inline void tile(const uint8_t* const* rows, const Acts& a, int64_t t0, float* out, int64_t os) {
+  if constexpr (is_block(TY))
+    qtile<TY, R, C>(rows, a.q.data() + t0, a.n / QK, out, os);
+  else
+    ftile<TY, R, C>(rows, a.f.data() + t0, a.n, out, os);
+}
+
+// R rows against every token, CMAX tokens per tile (CMAX <= 4)
+template <int TY, int R, int CMAX>
+void row_group(const uint8_t* const* rows, const Acts& a, float* out, int64_t os) {
+  int64_t t0 = 0;
+  for (; t0 + CMAX <= a.T; t0 += CMAX) tile<TY, R, CMAX>(rows, a, t0, out + t0 * os, os);
+  switch (a.T - t0) {
+    case 1: tile<TY, R, 1>(rows, a, t0, out + t0 * os, os); break;
+    case 2: if constexpr (CMAX > 2) tile<TY, R, 2>(rows, a, t0, out + t0 * os, os); break;
+    case 3: if constexpr (CMAX > 3) tile<TY, R, 3>(rows, a, t0, out + t0 * os, os); break;
+    default: break;
+  }
+}
+
+template <int TY, int R, int CMAX>
+void rows_by(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os) {
+  int64_t i = 0;
+  for (; i + R <= n; i += R) row_group<TY, R, CMAX>(rows + i, a, out + i, os);
+  if (i == n) return;
+  // the last rows: padded with copies of the last one (read from cache), their results dropped
+  const uint8_t* pad[R];
+  for (int r = 0; r < R; ++r) pad[r] = rows[std::min<int64_t>(i + r, n - 1)];
+  thread_local std::vector<float> tmp;
+  tmp.resize(R * a.T);
+  row_group<TY, R, CMAX>(pad, a, tmp.data(), R);
+  for (int64_t t = 0; t < a.T; ++t)
+    for (int64_t r = 0; r < n - i; ++r) out[t * os + i + r] = tmp[t * R + r];
+}
+
+template <int TY>
+void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os) {
+  if constexpr (is_block(TY)) {
+    if (a.T == 1)
+      rows_by<TY, Q_R1, 1>(rows, n, a, out, os);
+    else
+      rows_by<TY, Q_R, Q_C>(rows, n, a, out, os);
+  } else {
+    if (a.T == 1)
+      rows_by<TY, F_R1, 1>(rows, n, a, out, os);
+    else
+      rows_by<TY, F_R, F_C>(rows, n, a, out, os);
+  }
+}
+
+template <int TY>
+void axpy_rows_t(const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y, int64_t ys,
+                 int64_t o0, int64_t o1) {
+  int64_t i = 0;
+  for (; i + AXPY_R <= n; i += AXPY_R) axpy_tile<TY, AXPY_R>(rows + i, h + i, hs, T, y, ys, o0, o1);
+  switch (n - i) {
+    case 1: axpy_tile<TY, 1>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 2: axpy_tile<TY, 2>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 3: axpy_tile<TY, 3>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 4: if constexpr (AXPY_R > 4) axpy_tile<TY, 4>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 5: if constexpr (AXPY_R > 5) axpy_tile<TY, 5>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 6: if constexpr (AXPY_R > 6) axpy_tile<TY, 6>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 7: if constexpr (AXPY_R > 7) axpy_tile<TY, 7>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    default: break;
+  }
+}
+
+template <int TY>
+void dequant_rows_t(const Mat& w, const int64_t* ids, int64_t n, float* out) {
+  // a few rows per chunk: qembed asks for a handful of token rows, qdequant for all of them
+  parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.cols)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dequant_row<TY>(w.row(ids ? ids[i] : i), w.cols, out + i * w.cols);
+  });
+}
+
+}  // namespace
+
+#define PINFER_BY_TYPE(type, FN, ...)                 \
+  switch (type) {                                     \
+    case F32: FN<F32>(__VA_ARGS__); break;            \
+    case F16: FN<F16>(__VA_ARGS__); break;            \
+    case BF16: FN<BF16>(__VA_ARGS__); break;          \
+    case Q4_0: FN<Q4_0>(__VA_ARGS__); break;          \
+    case Q4_1: FN<Q4_1>(__VA_ARGS__); break;          \
+    case Q8_0: FN<Q8_0>(__VA_ARGS__); break;          \
+    default: break;                                   \
+  }
+
+void Acts::prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool need_q8) {
+  x = x_, T = T_, n = n_, ldx = ldx_;
+  f.resize(T);
+  for (int64_t t = 0; t < T; ++t) f[t] = x + t * ldx;
+  q.clear();
+  if (need_q8) {
+    q8.quantize(x, T, n, ldx);
+    for (int64_t t = 0; t < T; ++t) q.push_back(q8.tok(t));
+  }
+}
+
+void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride) {
+  if (n > 0 && a.T > 0) PINFER_BY_TYPE(type, dot_rows_t, rows, n, a, out, ostride)
+}
+
+void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
+               int64_t ys, int64_t o0, int64_t o1) {
+  if (n > 0 && T > 0 && o1 > o0) PINFER_BY_TYPE(type, axpy_rows_t, rows, n, h, hs, T, y, ys, o0, o1)
+}
+
+void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out) {
+  PINFER_BY_TYPE(w.type, dequant_rows_t, w, ids, n, out)
+}
+
+void row_to_f32(int type, const uint8_t* row, int64_t n, float* out) { PINFER_BY_TYPE(type, dequant_row, row, n, out) }
+
+}  // namespace pinfer

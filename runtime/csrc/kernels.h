@@ -1,0 +1,86 @@
+// The kernels' C++ interface: plain pointers and sizes, no torch types. ops.cpp validates torch tensors and calls
+// these; the kernel translation units include no torch headers (they compile in ~2 s each instead of ~20 s), and reach
+// torch's thread pool and GEMM only through the three functions of torch_bridge.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "quant.h"
+
+namespace pinfer {
+
+// --- torch_bridge.cpp -------------------------------------------------------------------------------------------------
+int num_threads();  // torch.get_num_threads()
+int thread_num();   // this thread's index inside parallel_for, 0..num_threads()-1
+// at::parallel_for: [begin, end) cut into at most num_threads() contiguous chunks of at least `grain`
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+// C [M, N] (row stride ldc) = A [M, K] (row stride lda) . B [N, K]^T (row stride ldb), fp32, by torch's GEMM (MKL
+// on x86 wheels), single-threaded when called inside parallel_for
+void sgemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+              int64_t ldc);
+
+// --- dot products of weight rows with T tokens (dot.cpp) ---------------------------------------------------------------
+// The activations of one call: fp32 rows for float weight types, and their q8 blocks for block types (made once).
+struct Acts {
+  const float* x = nullptr;  // [T, n], row stride ldx
+  int64_t T = 0, n = 0, ldx = 0;
+  Q8Acts q8;          // filled by prepare() when a block type will read these activations
+  std::vector<Q8> q;  // per token views into q8
+  std::vector<const float*> f;  // per token pointers into x
+  void prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool need_q8);
+};
+// out[t * ostride + i] = rows[i] . token t, for n rows of one type (any count; T any), on the calling thread.
+// Rows are streamed several side by side (see dot.cpp).
+void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride);
+// y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0)
+void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
+               int64_t ys, int64_t o0, int64_t o1);
+// rows [n] of a matrix as floats: out [n, cols]; ids == nullptr: rows 0..n-1
+void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out);
+// one row as floats, on the calling thread
+void row_to_f32(int type, const uint8_t* row, int64_t n, float* out);
+
+// --- matmul.cpp --------------------------------------------------------------------------------------------------------
+// y [T, sum of rows] = x [T, K] . W_i^T for each matrix, outputs side by side. T < gemm_min_t: streaming GEMV tiles on
+// the stored bytes (q8 activations for block types); otherwise tiles of rows dequantised to fp32 and torch's GEMM.
+void qmatmul(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, float* y, int64_t gemm_min_t);
+constexpr int64_t GEMM_MIN_T = 16;  // measured, see matmul.cpp
+
+// --- sparse_ffn.cpp ----------------------------------------------------------------------------------------------------
+enum Act : int { SWIGLU = 0, REGLU = 1, DRELU = 2, RELU_NOGATE = 3, GELU_NOGATE = 4 };
+struct FFN {
+  const float* x = nullptr;  // [T, d]
+  int64_t T = 0, d = 0;
+  Mat gate, up, down_t;       // gate.p == nullptr for gate-less activations; rows = n_ff
+  const int64_t* idx = nullptr;  // [k]; nullptr: every neuron (k = n_ff)
+  int64_t k = 0;
+  const bool* mask = nullptr;  // [T, k] with row stride mask_stride, or nullptr
+  int64_t mask_stride = 0;
+  int act = SWIGLU;
+  const float* up_bias = nullptr;  // [n_ff] or nullptr
+  float cats = 0.f;  // SwiGLU: h = 0 where |silu(g)| <= cats (when > 0)
+};
+// y [T, d] (overwritten) = the FFN over the neurons idx; returns the number of (token, neuron) pairs whose
+// activation is not zero
+int64_t ffn_sparse(const FFN& f, float* y);
+
+// --- predictor.cpp -----------------------------------------------------------------------------------------------------
+// PowerInfer's predictor for one token x [d]: the ascending indices i with (fc2 relu(fc1 x))[i] >= threshold, merged
+// with always[0..n_always). fc2 is [n_ff, r] as stored, or (fc2_transposed) [r, n_ff], in which case the second layer
+// is an axpy over the rows of the hidden units that ReLU keeps.
+std::vector<int64_t> predict_active(const float* x, const Mat& fc1, const Mat& fc2, bool fc2_transposed,
+                                    float threshold, const int64_t* always, int64_t n_always);
+
+// --- attention.cpp -----------------------------------------------------------------------------------------------------
+// One token's RoPE + KV-cache write + attention (see attention.cpp). Cache element type: float or uint16_t (IEEE half).
+template <typename KV>
+void attend_decode(const float* qkv, const float* rope, KV* k_cache, KV* v_cache, int64_t ctx, int64_t D, int64_t pos,
+                   int64_t H, int64_t Hkv, float scale, bool neox, float* out);
+
+// --- norm.cpp ----------------------------------------------------------------------------------------------------------
+void rms_norm(const float* x, const float* w, int64_t T, int64_t d, float eps, float* y);
+void layer_norm(const float* x, const float* w, const float* b, int64_t T, int64_t d, float eps, float* y);
+
+}  // namespace pinfer

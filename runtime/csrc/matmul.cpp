@@ -1,0 +1,79 @@
+// qmatmul: x [T, K] times one or more stored weight matrices, read in place. Two regimes:
+//
+// Decode (T < gemm_min_t): memory-bound GEMV. Each thread takes one contiguous run of output rows (a DRAM stream the
+// hardware prefetchers follow) and walks it with the register tiles of dot.cpp: for one token 8 rows side by side
+// (AVX-512), for several a 4-row x 4-token tile whose rows stay in L1 across the token tiles, so every weight byte
+// crosses DRAM once per call. Block types use q8 activations (quant.h says why), quantised once per call.
+//
+// Prefill (T >= gemm_min_t): compute-bound. Per thread, tiles of GEMM_TILE rows are dequantised to fp32 into a
+// per-thread buffer that stays in L2 (64 rows x 4096 = 1 MB) and multiplied by torch's single-threaded sgemm (MKL):
+// the whole matrix is never dequantised, and the result is exact in fp32 (no q8 rounding of the activations).
+// Measured on this machine (Xeon, AVX-512, 2 threads; benchmarks/kernels.py): MKL sgemm on a 64-row tile runs at
+// ~130 GFLOP/s per core while the int8 VNNI tiles of the decode path reach less than half of that at T = 512, and
+// the dequantisation is ~1% of the GEMM at T = 512. The crossover (GEMM_MIN_T in kernels.h) is measured too.
+#include "kernels.h"
+
+namespace pinfer {
+
+namespace {
+
+constexpr int64_t GEMM_TILE = 64;  // rows per dequantised tile: MKL's single-thread sgemm is fastest here on N <= 64
+
+// Rows per parallel chunk: an even share per thread, in whole 8-row groups, and at least 64 KB of weights (below
+// that a fork/join of the thread pool costs more than the stream).
+int64_t row_grain(int64_t N, int64_t bytes_per_row) {
+  const int64_t nt = num_threads();
+  const int64_t share = ((N + nt - 1) / nt + 7) / 8 * 8;
+  return std::max(share, (int64_t)(65536 / std::max<int64_t>(1, bytes_per_row)));
+}
+
+void gemm_tiles(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, const std::vector<int64_t>& off,
+                float* y, int64_t N) {
+  struct Tile { int64_t m, r0, nr; };
+  std::vector<Tile> tiles;
+  for (size_t m = 0; m < ws.size(); ++m)
+    for (int64_t r0 = 0; r0 < ws[m].rows; r0 += GEMM_TILE)
+      tiles.push_back({(int64_t)m, r0, std::min(GEMM_TILE, ws[m].rows - r0)});
+  const int64_t n = (int64_t)tiles.size(), nt = num_threads();
+  parallel_for(0, n, (n + nt - 1) / nt, [&](int64_t b, int64_t e) {
+    thread_local std::vector<float> buf;
+    buf.resize(GEMM_TILE * K);
+    for (int64_t i = b; i < e; ++i) {
+      const Tile& t = tiles[i];
+      const Mat& w = ws[t.m];
+      for (int64_t r = 0; r < t.nr; ++r) row_to_f32(w.type, w.row(t.r0 + r), K, buf.data() + r * K);
+      sgemm_nt(T, t.nr, K, x, K, buf.data(), K, y + off[t.m] + t.r0, N);
+    }
+  });
+}
+
+}  // namespace
+
+void qmatmul(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, float* y, int64_t gemm_min_t) {
+  std::vector<int64_t> off(ws.size() + 1, 0);
+  int64_t bytes = 0;
+  bool need_q8 = false;
+  for (size_t m = 0; m < ws.size(); ++m) {
+    off[m + 1] = off[m] + ws[m].rows;
+    bytes += ws[m].rows * row_bytes(ws[m].type, K);
+    need_q8 |= is_block(ws[m].type);
+  }
+  const int64_t N = off.back();
+  if (N == 0 || T == 0) return;
+  if (T >= gemm_min_t) return gemm_tiles(x, T, K, ws, off, y, N);
+
+  Acts a;
+  a.prepare(x, T, K, K, need_q8);
+  parallel_for(0, N, row_grain(N, bytes / N), [&](int64_t b, int64_t e) {
+    thread_local std::vector<const uint8_t*> rows;
+    for (size_t m = 0; m < ws.size(); ++m) {
+      const int64_t lo = std::max(b, off[m]), hi = std::min(e, off[m + 1]);
+      if (lo >= hi) continue;
+      rows.resize(hi - lo);
+      for (int64_t r = lo; r < hi; ++r) rows[r - lo] = ws[m].row(r - off[m]);
+      dot_rows(ws[m].type, rows.data(), hi - lo, a, y + lo, N);
+    }
+  });
+}
+
+}  // namespace pinfer

@@ -1,0 +1,426 @@
+// Weight encodings as stored in GGUF files (ggml's, little-endian), 8-bit activation blocks, and the per-type,
+// per-ISA primitives every kernel is built from: dot-product tiles, row dequantisation and axpy.
+//
+// A matrix is [rows, cols], each row contiguous, read in place (a memory-mapped file: never written, any alignment).
+// Block types hold 32 values per block, so cols % 32 == 0 and a row is cols / 32 blocks:
+//   Q4_0  18 bytes {f16 d; u8 qs[16]}          value j = d * ((qs[j] & 15) - 8), value j + 16 = d * ((qs[j] >> 4) - 8)
+//   Q4_1  20 bytes {f16 d; f16 m; u8 qs[16]}   value = d * q + m, q the nibble in the same order
+//   Q8_0  34 bytes {f16 d; i8 qs[32]}          value j = d * qs[j]
+// and F32, F16 (IEEE half), BF16 (upper 16 bits of a float) hold one value per element.
+//
+// Why 8-bit activations for the block types (what llama.cpp does): a 4-bit weight unpacked to floats costs ~5
+// instructions per 16 values before its multiply, which on two AVX2 cores is slower than DRAM delivers the bytes. With
+// x quantised once per call to blocks of 32 int8 values (scale d = max|x| / 127, q = round-to-nearest-even(x / d)), a
+// block's dot product is one or two integer instructions (vpdpbusd; or vpmaddubsw + vpmaddwd) on the raw bytes, then
+// one float multiply-add with the two scales. The result is exact for the quantised x: the kernels equal
+// sum_b d_w d_x sum_j w_j q_j in fp32, which the tests reproduce by applying the same q8 round trip to x.
+// Float types (F32, F16, BF16) take fp32 activations as they are: their weights convert to fp32 in registers.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace pinfer {
+
+enum WType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };  // ggml / GGUF type ids
+constexpr int QK = 32;  // values per block
+
+constexpr bool type_known(int t) { return t == F32 || t == F16 || t == Q4_0 || t == Q4_1 || t == Q8_0 || t == BF16; }
+constexpr bool is_block(int t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }
+// bytes per block (block types) or per value
+constexpr int64_t unit_bytes(int t) {
+  return t == F32 ? 4 : t == F16 || t == BF16 ? 2 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : 0;
+}
+constexpr int64_t row_bytes(int t, int64_t cols) { return is_block(t) ? cols / QK * unit_bytes(t) : cols * unit_bytes(t); }
+inline const char* type_name(int t) {
+  switch (t) {
+    case F32: return "F32"; case F16: return "F16"; case BF16: return "BF16";
+    case Q4_0: return "Q4_0"; case Q4_1: return "Q4_1"; case Q8_0: return "Q8_0";
+    default: return "unknown";
+  }
+}
+
+// A weight matrix as stored: row i starts at p + i * stride (stride >= row_bytes; views of interleaved layouts too).
+struct Mat {
+  const uint8_t* p = nullptr;
+  int64_t rows = 0, cols = 0, stride = 0;
+  int type = F32;
+  const uint8_t* row(int64_t i) const { return p + i * stride; }
+};
+
+// One value of a row, any type: for tails, tests and reference paths.
+inline float welem(int type, const uint8_t* row, int64_t j) {
+  switch (type) {
+    case F32: return rd_f32(row + 4 * j);
+    case F16: return f16_to_f32(rd_u16(row + 2 * j));
+    case BF16: return bf16_to_f32(rd_u16(row + 2 * j));
+    default: break;
+  }
+  const uint8_t* blk = row + j / QK * unit_bytes(type);
+  const int i = (int)(j % QK);
+  const float d = f16_to_f32(rd_u16(blk));
+  if (type == Q8_0) return d * (float)(int8_t)blk[2 + i];
+  const uint8_t* qs = blk + (type == Q4_1 ? 4 : 2);
+  const int q = i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4);
+  return type == Q4_0 ? d * (float)(q - 8) : d * (float)q + f16_to_f32(rd_u16(blk + 2));
+}
+
+// --- 8-bit activation blocks ---------------------------------------------------------------------------------------
+
+struct Q8 {  // one token's activations, nb blocks
+  const int8_t* qs;     // [nb * 32]
+  const float* d;       // [nb] scale: x ~ d * qs
+  const float* s;       // [nb] d * sum(qs), Q4_1's offset term m * s
+  const int32_t* bsum;  // [nb] sum(qs), folded into the integer sums of Q4_0 and Q8_0
+};
+
+// Quantise one block of 32 floats: d = max|x| / 127, q = nearest-even(x * (1 / d)) (0 when the block is all zero).
+inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* bsum_out) {
+#if defined(PINFER_AVX512)
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));  // MXCSR: round to nearest even
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(q1));
+  *bsum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(PINFER_AVX2)
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    m = _mm256_max_ps(m, _mm256_and_ps(v[k], absmask));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float d = _mm_cvtss_f32(h) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  __m256i q32[4];
+  for (int k = 0; k < 4; ++k) q32[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+  // i32 -> i8: the packs work within 128-bit lanes, so the dwords come out in the order 0,2,4,6,1,3,5,7 of four
+  // groups each; one permute restores element order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q32[0], q32[1]), _mm256_add_epi32(q32[2], q32[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *bsum_out = _mm_cvtsi128_si32(s4);
+#else
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  int32_t sum = 0;
+  for (int j = 0; j < QK; ++j) {
+    q[j] = (int8_t)std::nearbyint(x[j] * id);  // default rounding mode: nearest even, as cvtps2dq
+    sum += q[j];
+  }
+  *bsum_out = sum;
+#endif
+  *d_out = d;
+}
+
+// T tokens' activations (x [T, n], row stride ldx) as q8 blocks, one allocation reused per thread.
+struct Q8Acts {
+  int64_t T = 0, nb = 0;
+  std::vector<int8_t> qs;
+  std::vector<float> d, s;
+  std::vector<int32_t> bsum;
+  void quantize(const float* x, int64_t T_, int64_t n, int64_t ldx) {
+    T = T_;
+    nb = n / QK;
+    qs.resize(T * nb * QK);
+    d.resize(T * nb);
+    s.resize(T * nb);
+    bsum.resize(T * nb);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t i = t * nb + b;
+        quantize_block(x + t * ldx + b * QK, qs.data() + i * QK, &d[i], &bsum[i]);
+        s[i] = d[i] * (float)bsum[i];
+      }
+  }
+  Q8 tok(int64_t t) const {
+    return {qs.data() + t * nb * QK, d.data() + t * nb, s.data() + t * nb, bsum.data() + t * nb};
+  }
+};
+
+// --- integer dot-product tiles: R weight rows x C tokens of q8 activations --------------------------------------------
+// out[c * ostride + r] = row r . token c over nb blocks. A tile keeps R x C accumulators in registers and reads each
+// weight block once for its C tokens and each activation block once for its R rows.
+
+#if defined(PINFER_AVX2)
+// One weight block as 32 bytes for vpdpbusd / vpmaddubsw, in x's element order (low nibbles, then high nibbles).
+// Q4: the nibbles 0..15, unsigned. Q8_0: with VNNI, w + 128 as unsigned (w ^ 0x80: vpdpbusd multiplies u8 by s8, and
+// the bias -128 * sum(x) restores w); without VNNI the raw int8 (vpmaddubsw on w + 128 could saturate its i16 pairs:
+// 2 * 255 * 127 > 32767, so that path uses the sign trick instead).
+template <int TY>
+inline __m256i qunpack(const uint8_t* blk) {
+  if (TY == Q8_0) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
+#if defined(PINFER_VNNI)
+    return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+#else
+    return w;
+#endif
+  }
+  const __m128i b = _mm_loadu_si128((const __m128i*)(blk + (TY == Q4_1 ? 4 : 2)));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+
+// The integer offset folded into a block's i32 sums, lane 0 of the accumulator's start value: Q4_0 stores q + 8
+// (-8 sum(x)); Q8_0 under VNNI multiplies w + 128 (-128 sum(x)). Zero (constant-folded away) otherwise.
+template <int TY>
+inline __m256i qbias(int32_t bsum) {
+  if (TY == Q4_0) return _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(-8 * bsum));
+#if defined(PINFER_VNNI)
+  if (TY == Q8_0) return _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(-128 * bsum));
+#endif
+  (void)bsum;
+  return _mm256_setzero_si256();
+}
+
+// init + the block's 32 products as 8 i32 partial sums.
+template <int TY>
+inline __m256i qdot(__m256i init, __m256i w, __m256i x) {
+#if defined(PINFER_VNNI)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(init, w, x);
+#else
+  return _mm256_dpbusd_avx_epi32(init, w, x);
+#endif
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (TY == Q8_0)  // |w| * (x * sign(w)): vpmaddubsw needs its first operand unsigned
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+  return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));  // nibbles <= 15: no saturation
+#endif
+}
+
+inline __m256 bcast_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_set1_epi16((short)rd_u16(p))); }
+
+template <int TY, int R, int C>
+inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride) {
+  constexpr int64_t BB = unit_bytes(TY);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w[R];
+    __m256 dw[R], mw[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = rows[r] + b * BB;
+      w[r] = qunpack<TY>(blk);
+      dw[r] = bcast_f16(blk);
+      // Q4_1's m * s term goes to lane 0 only (the other lanes convert half 0.0): one multiply-add per (row, token)
+      if (TY == Q4_1) mw[r] = _mm256_cvtph_ps(_mm_cvtsi32_si128(rd_u16(blk + 2)));
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xs[c].qs + b * QK));
+      const __m256 dx = _mm256_broadcast_ss(xs[c].d + b);
+      const __m256i init = qbias<TY>(xs[c].bsum[b]);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qdot<TY>(init, w[r], xv)), _mm256_mul_ps(dw[r], dx),
+                                    acc[r][c]);
+      if (TY == Q4_1) {
+        const __m256 sx = _mm256_broadcast_ss(xs[c].s + b);
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(mw[r], sx, acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[c * ostride + r] = hsum8(acc[r][c]);
+}
+#else
+template <int TY, int R, int C>
+inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride) {
+  constexpr int64_t BB = unit_bytes(TY);
+  float acc[R][C] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = rows[r] + b * BB;
+      const float dw = f16_to_f32(rd_u16(blk));
+      int8_t w[QK];  // signed values: q - 8 (Q4_0), q (Q4_1), raw (Q8_0)
+      if (TY == Q8_0) {
+        std::memcpy(w, blk + 2, QK);
+      } else {
+        const uint8_t* qs = blk + (TY == Q4_1 ? 4 : 2);
+        const int off = TY == Q4_0 ? 8 : 0;
+        for (int j = 0; j < 16; ++j) {
+          w[j] = (int8_t)((qs[j] & 15) - off);
+          w[j + 16] = (int8_t)((qs[j] >> 4) - off);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        const int8_t* x = xs[c].qs + b * QK;
+        int32_t sum = 0;
+        for (int j = 0; j < QK; ++j) sum += (int32_t)w[j] * (int32_t)x[j];
+        acc[r][c] += dw * (xs[c].d[b] * (float)sum);
+        if (TY == Q4_1) acc[r][c] += f16_to_f32(rd_u16(blk + 2)) * xs[c].s[b];
+      }
+    }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[c * ostride + r] = acc[r][c];
+}
+#endif
+
+// --- float-weight tiles: F32 / F16 / BF16 rows x fp32 tokens ----------------------------------------------------------
+
+// VW weights starting at value i, as floats
+template <int TY>
+inline vf wload(const uint8_t* row, int64_t i) {
+#if defined(PINFER_AVX512)
+  if (TY == F32) return _mm512_loadu_ps((const float*)(row + 4 * i));
+  const __m256i h = _mm256_loadu_si256((const __m256i*)(row + 2 * i));
+  if (TY == F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(PINFER_AVX2)
+  if (TY == F32) return _mm256_loadu_ps((const float*)(row + 4 * i));
+  const __m128i h = _mm_loadu_si128((const __m128i*)(row + 2 * i));
+  if (TY == F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  float v[VW];
+  for (int k = 0; k < VW; ++k) v[k] = welem(TY, row, i + k);
+  return vload(v);
+#endif
+}
+
+// out[c * ostride + r] = row r . x_c over n values; xs[c] points at token c's fp32 activations.
+template <int TY, int R, int C>
+inline void ftile(const uint8_t* const* rows, const float* const* xs, int64_t n, float* out, int64_t ostride) {
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    vf w[R];
+    for (int r = 0; r < R; ++r) w[r] = wload<TY>(rows[r], i);
+    for (int c = 0; c < C; ++c) {
+      const vf xv = vload(xs[c] + i);
+      for (int r = 0; r < R; ++r) acc[r][c] = vfma(w[r], xv, acc[r][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+      float s = vsum(acc[r][c]);
+      for (int64_t j = i; j < n; ++j) s += welem(TY, rows[r], j) * xs[c][j];
+      out[c * ostride + r] = s;
+    }
+}
+
+// --- dequantisation: one block (32 values) of a block type into 32 / VW float vectors ---------------------------------
+
+template <int TY>
+inline void qblock(const uint8_t* blk, vf* v) {
+  const float d = f16_to_f32(rd_u16(blk));
+  const float m = TY == Q4_0 ? -8.f * d : TY == Q4_1 ? f16_to_f32(rd_u16(blk + 2)) : 0.f;
+  // value = q * d + m in one rounding: for Q4_0, d * (q - 8) exactly as the reference rounds it
+#if defined(PINFER_AVX512)
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  if (TY == Q8_0) {
+    for (int k = 0; k < 2; ++k)
+      v[k] = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2 + 16 * k)))), dv);
+    return;
+  }
+  const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (TY == Q4_1 ? 4 : 2))));
+  v[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15))), dv, mv);
+  v[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4)), dv, mv);
+#elif defined(PINFER_AVX2)
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  if (TY == Q8_0) {
+    for (int k = 0; k < 4; ++k)
+      v[k] = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * k)))), dv);
+    return;
+  }
+  const __m128i b = _mm_loadu_si128((const __m128i*)(blk + (TY == Q4_1 ? 4 : 2)));
+  const __m256i z0 = _mm256_cvtepu8_epi32(b), z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i lo = _mm256_set1_epi32(15);
+  v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(z0, lo)), dv, mv);
+  v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(z1, lo)), dv, mv);
+  v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(z0, 4)), dv, mv);
+  v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(z1, 4)), dv, mv);
+#else
+  float q[QK];
+  if (TY == Q8_0) {
+    for (int j = 0; j < QK; ++j) q[j] = (float)(int8_t)blk[2 + j] * d;
+  } else {
+    const uint8_t* qs = blk + (TY == Q4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (float)(qs[j] & 15) * d + m;
+      q[j + 16] = (float)(qs[j] >> 4) * d + m;
+    }
+  }
+  for (int k = 0; k < QK / VW; ++k) v[k] = vload(q + k * VW);
+#endif
+}
+
+// A whole row (n values) as floats.
+template <int TY>
+inline void dequant_row(const uint8_t* row, int64_t n, float* out) {
+  if (is_block(TY)) {
+    for (int64_t b = 0; b < n / QK; ++b) {
+      vf v[QK / VW];
+      qblock<TY>(row + b * unit_bytes(TY), v);
+      for (int k = 0; k < QK / VW; ++k) vstore(out + b * QK + k * VW, v[k]);
+    }
+    return;
+  }
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) vstore(out + i, wload<TY>(row, i));
+  for (; i < n; ++i) out[i] = welem(TY, row, i);
+}
+
+// --- axpy: y_t += sum_r h[t, r] * row_r over values [o0, o1), for T tokens --------------------------------------------
+// Each chunk of each row is converted once and applied to every token (the rows of the sparse FFN's down projection).
+// For block types o0 and o1 must be multiples of 32.
+#if defined(PINFER_AVX512)
+constexpr int AXPY_R = 8;  // rows per pass: 8 x 2 zmm of converted values stay in registers
+#else
+constexpr int AXPY_R = 4;  // 16 ymm registers: 4 rows x 4 vectors per block
+#endif
+
+template <int TY, int N>
+inline void axpy_tile(const uint8_t* const* rows, const float* h, int64_t hs, int64_t T, float* y, int64_t ys,
+                      int64_t o0, int64_t o1) {
+  if (is_block(TY)) {
+    constexpr int NV = QK / VW;
+    for (int64_t o = o0; o < o1; o += QK) {
+      vf v[N][NV];
+      for (int r = 0; r < N; ++r) qblock<TY>(rows[r] + o / QK * unit_bytes(TY), v[r]);
+      for (int64_t t = 0; t < T; ++t) {
+        float* yt = y + t * ys + o;
+        vf acc[NV];
+        for (int k = 0; k < NV; ++k) acc[k] = vload(yt + k * VW);
+        for (int r = 0; r < N; ++r) {
+          const vf hv = vset1(h[t * hs + r]);
+          for (int k = 0; k < NV; ++k) acc[k] = vfma(v[r][k], hv, acc[k]);
+        }
+        for (int k = 0; k < NV; ++k) vstore(yt + k * VW, acc[k]);
+      }
+    }
+    return;
+  }
+  int64_t o = o0;
+  for (; o + VW <= o1; o += VW) {
+    vf w[N];
+    for (int r = 0; r < N; ++r) w[r] = wload<TY>(rows[r], o);
+    for (int64_t t = 0; t < T; ++t) {
+      vf acc = vload(y + t * ys + o);
+      for (int r = 0; r < N; ++r) acc = vfma(w[r], vset1(h[t * hs + r]), acc);
+      vstore(y + t * ys + o, acc);
+    }
+  }
+  for (; o < o1; ++o)
+    for (int64_t t = 0; t < T; ++t)
+      for (int r = 0; r < N; ++r) y[t * ys + o] += h[t * hs + r] * welem(TY, rows[r], o);
+}
+
+}  // namespace pinfer

@@ -1,0 +1,60 @@
+"""pinfer's GPU half: CUDA kernels for the hot neurons (kernels/*.cu, through CuPy) and a CPU reference device.
+
+Two devices, one interface. `CudaDevice(device_id=0)` runs the kernels (arrays are cupy arrays; it raises
+`GPUUnavailable` with a one-line reason when CuPy, a driver or the device is missing). `ReferenceDevice()` computes
+the same with torch on the CPU (arrays are torch tensors), exactly (float64 by default): the yardstick for the kernels
+and a stand-in device for testing a hybrid executor without a GPU.
+
+Arrays: activations and outputs are float32, C-contiguous; index arrays int32; masks uint8; the KV cache float16.
+Every method that takes `out=` writes there and returns it; without it the result is a new array.
+
+Memory and transfers
+  asarray(np_array) -> array            copy to the device (dtype kept)
+  to_numpy(array) -> np.ndarray         copy back (synchronises)
+  empty(shape, dtype=f32), zeros(shape, dtype=f32), synchronize()
+  pinned(shape, dtype=f32) -> np.ndarray            page-locked host buffer (plain numpy on the reference)
+  stream() -> Stream                    `with dev.stream() as s:` launches inside go to s; s.synchronize()
+  to_device_async(host, out, stream=None), to_host_async(array, out, stream=None)
+
+Weights (from the file's encoding: numpy uint8 rows or typed arrays; types F32, F16, BF16, Q4_0, Q4_1, Q8_0 by ggml id
+or name, see layout.py; row lengths multiples of 32)
+  upload_matrix(raw, ty, cols, rows=None) -> Matrix             rows: index array gathering some rows, in order
+  upload_ffn(up, down_t, ty, n_embd, bucket, *, act, gate=None, up_bias=None, down_ty=None) -> FFNRows
+      up, gate, down_t: the layer's whole matrices [n_ff, n_embd] as in the file (down_t = PowerInfer's ffn_down_t,
+      row i = neuron i's output column); bucket: int32 [k] neurons the GPU computes (GPU row j = neuron bucket[j]);
+      act: "silu" | "relu" | "drelu" (gated) | "relu_up" | "gelu_up" (gate-less, Falcon/OPT: h = act(up x + b)),
+      or codes 0-4 (weights.ACT_CODES); up_bias: fp32 [n_ff] in neuron order (gathered with bucket).
+  upload_predictor(fc1, fc2) -> PredictorWeights   fc1 [r, n_embd], fc2 [n_ff, r] as in PowerInfer's file (F16)
+
+Compute
+  matmul(W, x[T, cols], *, bias=None, out=None, accumulate=False, relu=False) -> y[T, rows]
+      y = x W^T (+ bias) (relu) (+ out when accumulate). T <= 8 per launch streams W once; T >= 32 dequantises
+      tiles of W and uses cuBLAS.
+  dequant_rows(W, idx=None, dtype=f32|f16) -> [n, cols]            rows idx (int32 device array) or all, decoded
+  ffn_up(ffn, x[T, d], *, scores=None, threshold=0.0, cats=None, out=None) -> h[T, k]
+      the GPU rows' activations. scores: fp32 [T, n_ff] (or [n_ff] for T = 1) indexed by ORIGINAL neuron id, row j
+      active for token t iff scores[t, bucket[j]] >= threshold; None = all active. h = 0 for inactive rows, and for
+      rows whose activation is exactly 0. cats: SwiGLU's CATS threshold (h = 0 where |silu(g)| <= cats).
+  ffn_down(ffn, h[T, k], out[T, d]) -> out                            out += h @ down rows (rows with h == 0 skipped)
+  ffn(ffn, x, *, scores=None, threshold=0.0, cats=None, out=None) -> y[T, d]      both stages; adds into out if given
+  predict(pred, x[T, d], *, threshold=0.0, skip=None, ids=False) -> scores[T, n_ff]
+      with ids=True -> (scores, ids int32 [n_ff], count int32 [1]): ascending neurons with a score >= threshold for
+      some token, skip[i] == 0 (skip: uint8 [n_ff], e.g. the GPU neurons, so the list is the CPU's work); ids[:count]
+  rms_norm(x, w, eps, out=None), layer_norm(x, w, b or None, eps, out=None)      per row of x [T, d]
+  kv_cache(n_kv, max_ctx, head_dim) -> (k, v)          f16 zeros [n_kv, max_ctx, head_dim]
+  attention(q[T, n_head, hd], k[T, n_kv, hd], v, cache_k, cache_v, pos, *, n_rot=None, neox=False, base=10000.0,
+            rope_scale=1.0, scale=None, out=None) -> [T, n_head, hd]
+      tokens at positions pos..pos+T-1: RoPE (llama pairs (2i, 2i+1), or NeoX halves; the first n_rot dims; angle
+      pos / rope_scale * base^(-2i/n_rot)) on q and k IN PLACE, k and v into the caches, then causal attention over
+      positions 0..pos+t with GQA (head h reads kv head h // (n_head // n_kv)); scale defaults to 1/sqrt(hd).
+  add(a, b, out=None), gather_rows(src[n, cols], idx, out=None)
+
+A hybrid FFN step: the GPU computes `ffn(gpu_rows, x, scores=...)` for its k neurons while the CPU computes the rest
+(predict(..., skip=gpu_mask, ids=True) gives the CPU's active neurons), then the two partial outputs are added.
+"""
+
+from .cuda import CudaDevice, GPUUnavailable
+from .reference import ReferenceDevice
+from .weights import ACT_CODES, FFNRows, Matrix, PredictorWeights
+
+__all__ = ["ACT_CODES", "CudaDevice", "FFNRows", "GPUUnavailable", "Matrix", "PredictorWeights", "ReferenceDevice"]

@@ -1,0 +1,19 @@
+// Small elementwise and gather ops on fp32 activations, so a step never leaves the GPU for them.
+//
+// add_f32:         out = a + b (out may be a or b: the residual update in place), n elements, grid-stride.
+// gather_rows_f32: out[i, :] = src[idx[i], :], one block per output row (the prefill gathers of activations;
+//                  weight rows are gathered by gemv.cu's dequant).
+
+#include "quant.cuh"
+
+extern "C" __global__ void __launch_bounds__(256) add_f32(const float* a, const float* b, float* out, i64 n) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) out[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void __launch_bounds__(256) gather_rows_f32(const float* __restrict__ src,
+                                                                  const int* __restrict__ idx, int cols,
+                                                                  float* __restrict__ out) {
+  const float* s = src + (i64)idx[blockIdx.x] * cols;
+  float* o = out + (i64)blockIdx.x * cols;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = s[i];
+}

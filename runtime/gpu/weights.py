@@ -1,0 +1,103 @@
+"""What a device holds: weight matrices and one layer's GPU neurons, the same objects for every device.
+
+`data` is device-specific (CudaDevice: a cupy uint8 [rows, stride] array in the device layout of layout.py;
+ReferenceDevice: the dequantised torch matrix), everything else is plain numbers, so code that builds on a device
+never looks inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import layout
+
+# FFN activation codes (the kernels' `act`; 0-2 equal runtime/sparse_ffn.py's ACT_CODES).
+SILU, RELU, DRELU, RELU_UP, GELU_UP = 0, 1, 2, 3, 4
+ACT_CODES = {"silu": SILU, "relu": RELU, "drelu": DRELU, "relu_up": RELU_UP, "gelu_up": GELU_UP}
+GATED = (SILU, RELU, DRELU)  # codes with a gate matrix; RELU_UP and GELU_UP read up (+ bias) only
+
+
+def act_code(act: int | str) -> int:
+    code = ACT_CODES.get(act, act) if isinstance(act, str) else act
+    if code not in ACT_CODES.values():
+        raise ValueError(f"unknown FFN activation {act!r}: one of {', '.join(ACT_CODES)} (or codes 0-4)")
+    return int(code)
+
+
+@dataclass(eq=False)
+class Matrix:
+    """A weight matrix [rows, cols] of type `ty` (layout ids) on a device."""
+
+    ty: int
+    rows: int
+    cols: int
+    data: Any
+    stride: int = 0  # bytes between device rows (CudaDevice)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights in their encoding (what a kernel reading every row touches)."""
+        return self.rows * layout.row_bytes(self.ty, self.cols)
+
+
+@dataclass(eq=False)
+class FFNRows:
+    """One layer's GPU-resident neurons: k rows of gate (None for gate-less acts), up and down_t, GPU row j being
+    neuron bucket[j]; bias: the up bias of those neurons in the same order (gate-less acts), or None."""
+
+    act: int
+    n_ff: int
+    gate: Matrix | None
+    up: Matrix
+    down: Matrix
+    bucket: Any  # int32 [k] on the device
+    bias: Any = None  # fp32 [k] on the device
+
+    @property
+    def k(self) -> int:
+        return self.up.rows
+
+    @property
+    def d(self) -> int:
+        return self.up.cols
+
+
+@dataclass(eq=False)
+class PredictorWeights:
+    """PowerInfer's predictor, scores = fc2 @ relu(fc1 @ x): fc1 [r_pad, d] and fc2 stored transposed, fc2_t
+    [r_pad, n_ff], both F16, r padded to a multiple of 32 with zero rows (relu(0) = 0, so padding reads nothing)."""
+
+    fc1: Matrix
+    fc2_t: Matrix
+    r: int
+
+    @property
+    def n_ff(self) -> int:
+        return self.fc2_t.cols
+
+
+def gather_rows(raw: np.ndarray, ty: int, cols: int, rows: np.ndarray | None) -> np.ndarray:
+    """The file's rows (uint8 [n, row_bytes]), only `rows` of them in that order when given."""
+    r = layout.as_rows(raw, ty, cols)
+    return r if rows is None else r[np.asarray(rows, dtype=np.int64)]
+
+
+def predictor_arrays(fc1: np.ndarray, fc2: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """fc1 [r, d] and fc2 [n_ff, r] (PowerInfer's layout, any float dtype) -> F16 fc1 [r_pad, d] and
+    fc2_t [r_pad, n_ff]."""
+    fc1, fc2 = np.asarray(fc1), np.asarray(fc2)
+    r, d = fc1.shape
+    n_ff = fc2.shape[0]
+    if fc2.shape[1] != r:
+        raise ValueError(f"fc2 is {fc2.shape}, expected [n_ff, {r}]")
+    if d % 32 or n_ff % 32:
+        raise ValueError(f"predictor sizes d={d}, n_ff={n_ff} must be multiples of 32")
+    r_pad = -(-r // 32) * 32
+    a = np.zeros((r_pad, d), np.float16)
+    a[:r] = fc1
+    b = np.zeros((r_pad, n_ff), np.float16)
+    b[:r] = fc2.T
+    return a, b, r

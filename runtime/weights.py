@@ -1,0 +1,137 @@
+"""A weight matrix as the file stores it: ggml type, rows x cols, and a zero-copy view of its bytes.
+
+Nothing here copies a weight. The bytes stay in the file's read-only memory map, and the C++ kernels
+(runtime/csrc, through runtime/qops.py) compute on them in place: a Q4_0 model needs about its file size in memory,
+and a model larger than RAM still opens (the page cache holds what is touched). Only the torch fallback (no C++
+compiler, or a type without a kernel) makes a float32 copy, on first use, and says so when the model loads.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from formats.errors import PinferError
+from formats.reader import GGUFFile, tensor_nbytes
+
+# Types pinfer's C++ kernels read in place; every other readable type is dequantised (gguf.quants) to a float copy.
+KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0})
+# Types gguf.quants can dequantise: the ones a model may use at all.
+SUPPORTED_TYPES = KERNEL_TYPES | {T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
+
+
+def as_tensor(a: np.ndarray) -> torch.Tensor:
+    """A torch view of a numpy array, read-only memory maps included (torch warns about those because writing
+    through the view would crash; pinfer never writes to weights)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+@dataclass(eq=False)
+class QWeight:
+    """A 2-D weight [rows, cols] in a ggml encoding. `data` is uint8 [rows, row_bytes]: row r holds the encoded
+    values of output r (for ffn_down_t and the predictors' fc2, of neuron r)."""
+
+    name: str
+    qtype: T
+    rows: int
+    cols: int
+    data: torch.Tensor
+    _dense: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def type_name(self) -> str:
+        return self.qtype.name
+
+    @property
+    def in_kernel(self) -> bool:
+        """Whether the C++ kernels read this encoding in place."""
+        return self.qtype in KERNEL_TYPES
+
+    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """float32 [n, cols] of the given rows (all by default), computed from the bytes (gguf.quants)."""
+        raw = self.data if rows is None else self.data[rows]
+        a = raw.numpy()
+        if self.qtype == T.F32:
+            out = a.view(np.float32)
+        elif self.qtype == T.F16:
+            out = a.view(np.float16).astype(np.float32)
+        elif self.qtype == T.BF16:
+            out = (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            out = quants.dequantize(a, self.qtype)
+        return as_tensor(np.ascontiguousarray(out, dtype=np.float32)).reshape(-1, self.cols)
+
+    def dense(self) -> torch.Tensor:
+        """The weight as float32, for the torch fallback: a copy made once and kept (F32: the mapped rows themselves).
+        The kernels never need it."""
+        if self._dense is None:
+            self._dense = self.dequantize()  # F32: a view of the mapped rows, no copy
+        return self._dense
+
+
+def check_type(f: GGUFFile, name: str) -> T:
+    t = f.info(name)
+    try:
+        qt = T(t.ggml_type)
+    except ValueError:
+        qt = None
+    if qt not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(x.name for x in SUPPORTED_TYPES))
+        raise PinferError(f"{f.path}: tensor '{name}' has type {t.type_name}, which pinfer cannot run "
+                          f"(supported: {supported}); requantize the model with llama-quantize")
+    return qt
+
+
+def qweight(f: GGUFFile, name: str) -> QWeight:
+    """The 2-D tensor `name` as a QWeight over the file's memory map (no copy)."""
+    qt = check_type(f, name)
+    t = f.info(name)
+    if len(t.shape) != 2:
+        raise PinferError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected a matrix; the file is "
+                          f"inconsistent")
+    rows, cols = t.shape
+    row_bytes = tensor_nbytes((cols,), int(qt))
+    raw = f.mm[t.offset:t.offset + rows * row_bytes].reshape(rows, row_bytes)
+    return QWeight(name, qt, rows, cols, as_tensor(raw))
+
+
+def vector(f: GGUFFile, name: str) -> torch.Tensor:
+    """A small tensor (norm weights, biases, statistics) as a float32 copy in its numpy shape."""
+    qt = check_type(f, name)
+    raw = f.raw(name)
+    if qt == T.BF16:
+        a = (raw.astype(np.uint32) << 16).view(np.float32)
+    elif qt in (T.F32, T.F16):
+        a = raw
+    else:
+        a = quants.dequantize(raw, qt)
+    return torch.from_numpy(np.array(a, dtype=np.float32).reshape(f.info(name).shape))
+
+
+def quantize_like(a: torch.Tensor, qtype: T, name: str) -> QWeight:
+    """Encode float32 [rows, cols] in `qtype` (gguf.quants), in anonymous memory: for the few weights pinfer must
+    rearrange (a transposed ffn_down when the file has no ffn_down_t)."""
+    arr = a.float().contiguous().numpy()
+    if qtype == T.F32:
+        raw = arr.view(np.uint8)
+    elif qtype == T.F16:
+        raw = arr.astype(np.float16).view(np.uint8)
+    else:
+        raw = quants.quantize(arr, qtype)
+    raw = np.ascontiguousarray(raw).reshape(arr.shape[0], -1)
+    return QWeight(name, qtype, arr.shape[0], arr.shape[1], torch.from_numpy(raw))

@@ -1,0 +1,181 @@
+"""The hybrid GPU+CPU executor (runtime/hybrid.py) with a CPU stand-in for the device.
+
+For any placement (random GPU neurons per layer, attention, predictor and output head on either side) the hybrid
+model's logits equal the CPU model's in the same FFN mode, and in exact modes those equal dense: every neuron is
+computed once, on one side, with the same activation rule. The stand-in is runtime.gpu.ReferenceDevice (torch on the
+CPU); tests/test_gpu_kernels.py checks that the CUDA kernels equal it, and one test here runs the CUDA kernels
+themselves (under the CPU emulation of tests/cuda_emu) inside the executor.
+"""
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from formats import constants as C
+from formats.errors import PinferError
+from formats.model_writer import write_llama
+from runtime import hybrid, load_model
+from runtime.gpu import ReferenceDevice
+from runtime.placement import Placement
+from tests.tiny import random_weights, tiny_config, to_powerinfer_layout
+
+
+@pytest.fixture(scope="module")
+def relu_pwri(tmp_path_factory):
+    """A tiny ReLU PowerInfer file (ffn_down_t, predictors) and its activation statistics."""
+    cfg = tiny_config(ffn_act="relu", n_layer=3, n_ff=192)
+    w = to_powerinfer_layout(cfg, random_weights(cfg, seed=3, scale=0.15))
+    path = tmp_path_factory.mktemp("hybrid") / "relu.gguf"
+    counts = {C.tensor(C.ACT_COUNTS, i): np.linspace(100, 1, cfg.n_ff).astype(np.float32) for i in range(3)}
+    write_llama(path, cfg, w | counts, powerinfer=True, extra_metadata={C.ACT_TOKENS: np.uint64(100)})
+    return path, cfg
+
+
+@pytest.fixture(scope="module")
+def silu_gguf(tmp_path_factory):
+    """A tiny SwiGLU llama in the standard layout (ffn_down, no ffn_down_t, no predictors)."""
+    cfg = tiny_config(n_layer=2, n_ff=160)
+    path = tmp_path_factory.mktemp("hybrid") / "silu.gguf"
+    write_llama(path, cfg, random_weights(cfg, seed=4, scale=0.12),
+                extra_metadata={C.CATS_THRESHOLD: np.array([0.05, 0.08], np.float32)})
+    return path, cfg
+
+
+def random_placement(cfg, seed: int, *, pred: bool | None = None) -> Placement:
+    """Random GPU neurons per layer (odd seeds: also none and all), attention on both sides, the predictor on the
+    GPU where `pred` says (None: at random), the output head on the GPU for odd seeds."""
+    rng = np.random.default_rng(seed)
+    L = cfg.n_layer
+    buckets = []
+    for li in range(L):
+        k = [0, cfg.n_ff, int(rng.integers(1, cfg.n_ff))][li % 3] if seed % 2 else int(rng.integers(1, cfg.n_ff))
+        buckets.append(np.sort(rng.choice(cfg.n_ff, size=k, replace=False)).astype(np.int64))
+    attn = rng.random(L) < 0.5
+    attn[0] = True  # at least one layer's attention on each side
+    attn[-1] = False
+    on_gpu = rng.random(L) < 0.5 if pred is None else np.full(L, pred)
+    return Placement("test", attn, on_gpu, buckets, bool(seed % 2), f"random {seed}")
+
+
+def logits(m, ids, decode_from: int | None = None) -> np.ndarray:
+    """All positions' logits: one prefill, or a prefill of decode_from tokens then one token at a time."""
+    tr = m.transformer
+    with torch.inference_mode():
+        if decode_from is None:
+            return tr.forward(torch.tensor(ids), 0, all_logits=True).numpy()
+        out = [tr.forward(torch.tensor(ids[:decode_from]), 0, all_logits=True)]
+        for p in range(decode_from, len(ids)):
+            out.append(tr.forward(torch.tensor([ids[p]]), p))
+        return torch.cat(out).numpy()
+
+
+def hybrid_model(path, mode, placement, dev=None):
+    m = load_model(path, ffn_mode=mode)
+    hybrid.apply(m, placement, dev or ReferenceDevice())
+    return m
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("mode", ["dense", "oracle", "sparse-pred-cpu", "sparse-pred-gpu"])
+def test_hybrid_equals_cpu(relu_pwri, mode, seed):
+    path, cfg = relu_pwri
+    ids = [int(t) for t in np.random.default_rng(seed).integers(3, cfg.vocab_size, 12)]
+    pred = {"sparse-pred-cpu": False, "sparse-pred-gpu": True}.get(mode)
+    mode = mode.split("-")[0]
+    cpu = load_model(path, ffn_mode=mode)
+    hyb = hybrid_model(path, mode, random_placement(cfg, seed, pred=pred))
+    for decode_from in (None, 4):  # prefill of 12 tokens (device chunks of DEVICE_T), and single-token decode
+        want, got = logits(cpu, ids, decode_from), logits(hyb, ids, decode_from)
+        assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), (mode, seed, decode_from)
+
+
+def test_exact_modes_equal_dense(relu_pwri):
+    path, cfg = relu_pwri
+    ids = list(range(5, 60, 5))
+    dense = logits(load_model(path, ffn_mode="dense"), ids)
+    oracle = logits(hybrid_model(path, "oracle", random_placement(cfg, 5)), ids, decode_from=3)
+    assert np.abs(oracle - dense).max() < 1e-3 * np.abs(dense).max()
+
+
+@pytest.mark.parametrize("mode", ["dense", "oracle"])
+def test_swiglu_standard_layout(silu_gguf, mode):
+    """A file with ffn_down only: the executor builds neuron-major rows for both halves; dense stays dense, and
+    exact CATS masks (oracle) apply the same threshold on both sides."""
+    path, cfg = silu_gguf
+    ids = list(range(7, 90, 7))
+    want = logits(load_model(path, ffn_mode=mode), ids)
+    got = logits(hybrid_model(path, mode, random_placement(cfg, 1, pred=False)), ids, decode_from=2)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    if mode == "oracle":  # the thresholds matter: CATS logits are not the dense ones
+        assert np.abs(want - logits(load_model(path), ids)).max() > 1e-2 * np.abs(want).max()
+
+
+def test_placement_is_really_used(relu_pwri):
+    """A fault planted in the device's FFN shows in the logits: the GPU half is not silently skipped."""
+    path, cfg = relu_pwri
+    ids = list(range(3, 40, 3))
+    want = logits(load_model(path, ffn_mode="oracle"), ids)
+
+    class Broken(ReferenceDevice):
+        def ffn(self, ffn, x, **kw):
+            out = super().ffn(ffn, x, **kw)
+            return out.mul_(1.5)
+
+    got = logits(hybrid_model(path, "oracle", random_placement(cfg, 1), Broken()), ids)
+    assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_budget_too_small_is_one_line(relu_pwri):
+    path, cfg = relu_pwri
+    m = load_model(path)
+    with pytest.raises(PinferError, match="GiB of VRAM.*budget"):
+        hybrid.apply(m, random_placement(cfg, 1), ReferenceDevice(), budget=1000)
+
+
+def test_cuda_kernels_in_the_executor(relu_pwri):
+    """The executor over runtime.gpu.CudaDevice running the real .cu kernels under the CPU emulation."""
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    path, cfg = relu_pwri
+    ids = [5, 9, 200, 31, 7]
+    want = logits(load_model(path, ffn_mode="sparse"), ids, decode_from=2)
+    got = logits(hybrid_model(path, "sparse", random_placement(cfg, 2), CudaDevice(cupy=fake_cupy)), ids,
+                 decode_from=2)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+# --- pi-run with a device ---------------------------------------------------------------------------------------------
+
+def run_cli(*args):
+    from runtime.cli import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def test_pi_run_reference_device(relu_pwri, monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path))
+    path, _ = relu_pwri
+    outs = {}
+    for placement in ("plan", "layers", "cpu"):
+        code, out = run_cli(path, "-p", "hi there", "-n", "6", "--temp", "0", "--gpu", "reference",
+                            "--placement", placement, "--json")
+        assert code == 0, out
+        r = json.loads(out.splitlines()[-1])
+        assert r["hybrid"]["placement"]["name"] == placement
+        outs[placement] = r["tokens"]
+        assert set(r["hybrid"]["per_token"]) == {"cpu_ms", "gpu_wait_ms", "transfer_ms"}
+    code, out = run_cli(path, "-p", "hi there", "-n", "6", "--temp", "0", "--gpu", "none", "--json")
+    cpu_tokens = json.loads(out.splitlines()[-1])["tokens"]
+    assert outs["plan"] == outs["layers"] == outs["cpu"] == cpu_tokens  # greedy, the same masks on any placement
+
+
+def test_pi_run_without_gpu_keeps_cpu_and_says_so(relu_pwri, tmp_path):
+    """A plan made for a GPU, no GPU usable: the CPU path, and one line saying why."""
+    path, _ = relu_pwri
+    code, out = run_cli(path, "-p", "hi", "-n", "2", "--gpu", "none", "--placement", "layers")
+    assert code != 0 and "need a GPU" in out and len(out.strip().splitlines()) == 1

@@ -1,0 +1,541 @@
+"""Exactness of the C++ kernels on weights as GGUF stores them (runtime/csrc/ops.cpp), for every op, weight type and
+instruction-set path: each test runs on three builds loaded side by side, the runtime's (-march=native here) and the
+x86-64-v3 (AVX2) and x86-64 (portable) ones.
+
+References are float64 and independent of the kernels: the block formats are decoded here with numpy from their
+layout (cross-checked once against gguf.quants). Where a kernel quantises activations to q8 blocks (block-type
+weights in a dot product), the reference applies the same q8 round trip to x and the kernel must match it to fp32
+rounding; it must also match the pure fp32 reference within the q8 error bound, computed exactly per block.
+Weights always sit at odd addresses (slices of a larger buffer at offsets 1..63).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import cpu_kernels
+
+pytestmark = pytest.mark.skipif(os.environ.get("PINFER_CPU_KERNELS") == "0", reason="PINFER_CPU_KERNELS=0")
+
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+TYPES = {"F32": F32, "F16": F16, "BF16": BF16, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+RTOL = 2e-5  # fp32 rounding of a dot product, relative to sum |w x| (q8 differs from fp32 by ~1e-4..1e-3 of it)
+BUILDS = ("runtime", "x86-64-v3", "x86-64")
+
+
+# --- builds ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def kernel_builds() -> dict:
+    """The runtime's build (torch.ops.pinfer) and the AVX2 and portable builds, compiled in parallel on first use."""
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    marches = [m for m in ("x86-64-v3", "x86-64") if x86 and (m == "x86-64" or " avx2" in cpu_kernels.cpu_flags())]
+    with ThreadPoolExecutor(1) as pool:
+        runtime = pool.submit(cpu_kernels.available)
+        variants = cpu_kernels.load_variants(marches)
+        assert runtime.result(), cpu_kernels.status()  # a kernel that fails to build is a failure, not a skip
+    return {"runtime": torch.ops.pinfer, **variants}
+
+
+@pytest.fixture(params=BUILDS)
+def ops(request, kernel_builds):
+    if request.param not in kernel_builds:
+        pytest.skip(f"-march={request.param} cannot run on this CPU")
+    return kernel_builds[request.param]
+
+
+# --- reference encodings ---------------------------------------------------------------------------------------------
+
+def row_bytes(t: int, cols: int) -> int:
+    return cols // 32 * BLOCK_BYTES[t] if t in BLOCK_BYTES else cols * (4 if t == F32 else 2)
+
+
+def encode(rng: np.random.Generator, rows: int, cols: int, t: int, scale: float = 0.5) -> np.ndarray:
+    """Random weights in type t as uint8 [rows, row_bytes]: every nibble / byte pattern, scales of both signs."""
+    if t not in BLOCK_BYTES:
+        w = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if t == F16:
+            return w.astype(np.float16).view(np.uint8)
+        if t == BF16:
+            return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return w.view(np.uint8)
+    nb = cols // 32
+    raw = rng.integers(0, 256, (rows, nb, BLOCK_BYTES[t]), dtype=np.uint8)
+    heads = 2 if t == Q4_1 else 1  # d (and Q4_1's m) as half floats at the block start
+    half = (rng.standard_normal((rows, nb, heads)) * scale * (0.25 if t == Q8_0 else 2) / 16).astype(np.float16)
+    raw[:, :, :2 * heads] = half.view(np.uint8)
+    return raw.reshape(rows, nb * BLOCK_BYTES[t])
+
+
+def decode(raw: np.ndarray, t: int) -> np.ndarray:
+    """Reference dequantisation, float64 [rows, cols], from the block layouts (runtime/csrc/quant.h)."""
+    raw = np.ascontiguousarray(raw)
+    rows = raw.shape[0]
+    if t == F32:
+        return raw.view(np.float32).astype(np.float64)
+    if t == F16:
+        return raw.view(np.float16).astype(np.float64)
+    if t == BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    blocks = raw.reshape(rows, -1, BLOCK_BYTES[t])
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)  # [rows, nb, 1]
+    if t == Q8_0:
+        return (d * blocks[..., 2:].view(np.int8)).reshape(rows, -1)
+    qs = blocks[..., 4:] if t == Q4_1 else blocks[..., 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64)  # values j, then j + 16
+    if t == Q4_0:
+        return (d * (q - 8)).reshape(rows, -1)
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)
+    return (d * q + m).reshape(rows, -1)
+
+
+def place(raw: np.ndarray, offset: int) -> torch.Tensor:
+    """raw as a zero-copy tensor at `offset` bytes into a larger buffer (an odd address, as in a memory map)."""
+    buf = np.zeros(raw.size + 64, np.uint8)
+    view = buf[offset:offset + raw.size].reshape(raw.shape)
+    view[...] = raw
+    return torch.from_numpy(view)
+
+
+def q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' q8 round trip of x [T, n] (float32), as float64 values, and each value's block scale d."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(-1) / np.float32(127)  # float32, as the kernels compute it
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None])  # round half to even, like cvtps2dq
+    d_each = np.broadcast_to(d[..., None], xb.shape).reshape(x.shape).astype(np.float64)
+    return (q.astype(np.float64) * d[..., None]).reshape(x.shape), d_each
+
+
+def assert_dot_close(got, w: np.ndarray, x: np.ndarray, t: int, uses_q8: bool, what: str = ""):
+    """got [T, rows] against x @ w.T: exactly (fp32 rounding) for the activations the kernel used, and within the
+    exact q8 error bound of the fp32 result."""
+    got = got.numpy().astype(np.float64) if isinstance(got, torch.Tensor) else got
+    x64 = x.astype(np.float64)
+    xq, d = q8(x) if uses_q8 else (x64, np.zeros_like(x64))
+    ref = xq @ w.T
+    absref = np.abs(xq) @ np.abs(w).T
+    err = np.abs(got - ref)
+    assert np.all(err <= RTOL * absref + 1e-30), (
+        f"{what} type {t}: max err/bound {np.max(err / (RTOL * absref + 1e-30)):.3g}")
+    if uses_q8:  # |sum_j w_j (x_j - xq_j)| <= sum_j |w_j| d_j / 2
+        bound = (d / 2) @ np.abs(w).T + 2 * RTOL * absref + 1e-30
+        assert np.all(np.abs(got - x64 @ w.T) <= bound), f"{what} type {t}: outside the q8 error bound"
+
+
+def test_reference_decoder_matches_gguf():
+    """The test's own block decoder against gguf-py's, once per type."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    for name, t in TYPES.items():
+        raw = encode(rng, 5, 96, t)
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])
+        np.testing.assert_array_equal(decode(raw, t).astype(np.float32), want.reshape(5, 96))
+
+
+# --- qdequant, qembed -------------------------------------------------------------------------------------------------
+
+def assert_values_exact(got: torch.Tensor, raw: np.ndarray, t: int):
+    """Dequantised values are single-rounding exact (Q4_1's d*q + m may round twice: one ulp of its terms)."""
+    ref = decode(raw, t)
+    if t == Q4_1:
+        blocks = raw.reshape(raw.shape[0], -1, 20)
+        d = np.abs(blocks[..., 0:2].copy().view(np.float16).astype(np.float64))
+        m = np.abs(blocks[..., 2:4].copy().view(np.float16).astype(np.float64))
+        scale = np.broadcast_to(d * 15 + m, (*d.shape[:2], 32)).reshape(ref.shape)
+    else:
+        scale = np.abs(ref)
+    assert np.all(np.abs(got.numpy().astype(np.float64) - ref) <= 1.2e-7 * scale), f"type {t}"
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (33, 160), (257, 4128)])
+def test_qdequant_and_qembed(ops, name, rows, cols):
+    t = TYPES[name]
+    rng = np.random.default_rng(rows * 7 + cols + t)
+    raw = encode(rng, rows, cols, t)
+    w = place(raw, 1 + (rows + t) % 63)
+    assert_values_exact(ops.qdequant(w, t), raw, t)
+    ids = torch.tensor([[rows - 1, 0, rows // 2], [0, 0, rows - 1]])
+    got = ops.qembed(w, t, ids)
+    assert got.shape == (2, 3, cols)
+    assert_values_exact(got.view(6, cols), raw[ids.view(-1).numpy()], t)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.qembed(w, t, torch.tensor([rows]))
+
+
+def test_float_dtypes_are_accepted(ops):
+    """F32 / F16 / BF16 weights may come as float tensors instead of bytes; a mismatched dtype is an error."""
+    w = torch.randn(5, 64)
+    for t, v in ((F32, w), (F16, w.half()), (BF16, w.bfloat16())):
+        torch.testing.assert_close(ops.qdequant(v, t), v.float(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="uint8 bytes"):
+        ops.qdequant(w.half(), F32)
+
+
+def test_bad_weights_are_clear_errors(ops):
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="unsupported weight type"):
+        ops.qmatmul(x, [torch.zeros(4, 36, dtype=torch.uint8)], [7])
+    with pytest.raises(RuntimeError, match="expected 64"):
+        ops.qmatmul(x, [torch.zeros(4, 18, dtype=torch.uint8)], [Q4_0])
+    with pytest.raises(RuntimeError, match="not a whole number"):
+        ops.qmatmul(x, [torch.zeros(4, 37, dtype=torch.uint8)], [Q4_0])
+
+
+# --- qmatmul ----------------------------------------------------------------------------------------------------------
+
+MATMUL_CASES = [(1, 32, 1), (7, 96, 2), (33, 160, 5), (257, 4128, 1), (7, 4128, 17), (33, 4128, 24), (257, 96, 100),
+                (33, 160, 512), (1, 4128, 512)]
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows,cols,T", MATMUL_CASES)
+def test_qmatmul(ops, name, rows, cols, T):
+    """Both regimes on every shape: the streaming tiles (forced with gemm_min_t huge: q8 activations for block
+    types) and the dequantised-tile GEMM (gemm_min_t=1: exact fp32), and the default choice between them."""
+    t = TYPES[name]
+    rng = np.random.default_rng(rows * 1000 + cols + T + t)
+    raw = encode(rng, rows, cols, t)
+    w, wref = place(raw, 1 + (cols + t) % 63), decode(raw, t)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    xt = torch.from_numpy(x)
+    block = t in BLOCK_BYTES
+    streaming, gemm = ops.qmatmul(xt, [w], [t], 1 << 30), ops.qmatmul(xt, [w], [t], 1)
+    assert_dot_close(streaming, wref, x, t, block, "streaming")
+    assert_dot_close(gemm, wref, x, t, False, "gemm")
+    default = ops.qmatmul(xt, [w], [t])
+    assert torch.equal(default, streaming) or torch.equal(default, gemm)
+
+
+@pytest.mark.parametrize("T", [1, 5, 100])
+def test_qmatmul_fuses_matrices_of_mixed_types(ops, T):
+    """Q, K and V stored as three tensors (here of three types) are one call; outputs side by side."""
+    rng = np.random.default_rng(T)
+    mats = [(Q4_0, 7), (F16, 33), (Q8_0, 1), (Q4_1, 9)]
+    raws = [encode(rng, r, 160, t) for t, r in mats]
+    x = rng.standard_normal((T, 160)).astype(np.float32)
+    got = ops.qmatmul(torch.from_numpy(x), [place(r, 5 + i) for i, r in enumerate(raws)], [t for t, _ in mats])
+    assert got.shape == (T, sum(r for _, r in mats))
+    col = 0
+    streaming = T < 16  # the default regime at these token counts
+    for (t, r), raw in zip(mats, raws, strict=True):
+        assert_dot_close(got[:, col:col + r], decode(raw, t), x, t, t in BLOCK_BYTES and streaming)
+        col += r
+
+
+def test_qmatmul_threads(ops):
+    """Rows split across threads: same result on 1 and 2 threads (each output is one thread's dot product)."""
+    rng = np.random.default_rng(3)
+    raw = encode(rng, 300, 4128, Q4_0)
+    w = place(raw, 3)
+    x = torch.from_numpy(rng.standard_normal((3, 4128)).astype(np.float32))
+    torch.set_num_threads(1)
+    try:
+        one = ops.qmatmul(x, [w], [Q4_0])
+    finally:
+        torch.set_num_threads(2)
+    torch.testing.assert_close(ops.qmatmul(x, [w], [Q4_0]), one, rtol=0, atol=0)
+
+
+# --- qffn_sparse ------------------------------------------------------------------------------------------------------
+
+def silu(g):
+    return g / (1 + np.exp(-g))
+
+
+def ffn_reference(x, g, u, dn, idx, act, mask=None, bias=None, cats=0.0, g_q8=False, u_q8=False) -> dict:
+    """float64 FFN over neurons idx as the kernel defines it (q8 x for block-type gate/up rows): y [T, d], the number
+    of nonzero (token, neuron) activations, the pre-activations, and `tol`, a per-output bound on the kernel's fp32
+    error (its dot products err by RTOL of sum |w x|, which moves each activation by at most its magnitude terms)."""
+    xg = q8(x)[0] if g_q8 else x.astype(np.float64)
+    xu = q8(x)[0] if u_q8 else x.astype(np.float64)
+    b = 0 if bias is None else bias[idx].astype(np.float64)
+    uu = xu @ u[idx].T + b
+    mag_u = np.abs(uu) + np.abs(xu) @ np.abs(u[idx]).T + np.abs(b)
+    gg = xg @ g[idx].T if g is not None else None
+    if act == 0:
+        s = silu(gg)
+        h = np.where(np.abs(s) <= cats, 0.0, s * uu) if cats > 0 else s * uu
+    elif act == 1:
+        h = np.maximum(gg, 0) * uu
+    elif act == 2:
+        h = np.maximum(gg, 0) * np.maximum(uu, 0)
+    elif act == 3:
+        h = np.maximum(uu, 0)
+    else:
+        h = 0.5 * uu * torch.special.erfc(torch.from_numpy(-uu / np.sqrt(2))).numpy()
+    mag = mag_u if g is None else mag_u * (np.abs(gg) + np.abs(xg) @ np.abs(g[idx]).T)
+    if mask is not None:
+        h, mag = h * mask, mag * mask
+    tol = 5 * RTOL * mag @ np.abs(dn[idx]) + 1e-30
+    near = (np.abs(uu) < 1e-5 * np.abs(uu).max(initial=1)) if act in (2, 3, 4) else np.zeros(uu.shape, bool)
+    near |= (act == 4) & (np.abs(h) < 1e-30)  # GELU of u < -13 underflows fp32 to 0 (or a subnormal)
+    if gg is not None:
+        near |= np.abs(gg) < 1e-5 * np.abs(gg).max(initial=1)
+    return {"y": h @ dn[idx], "nonzero": int((h != 0).sum()), "g": gg, "u": uu, "tol": tol,
+            "near": int(near.sum())}
+
+
+# Scenarios per (type, act): T, which neurons, row mask, up bias (T = 1, 2, 5, 17, 24; idx empty/one/all/unsorted).
+SCENARIOS = [(1, "all", False, False), (2, "subset", True, False), (5, "one", False, True), (17, "none", False, False),
+             (24, "subset", True, True), (1, "empty", False, False), (5, "perm", True, False)]
+
+
+def pick(kind: str, n_ff: int, rng) -> np.ndarray | None:
+    return {"none": None, "empty": np.zeros(0, np.int64), "one": np.array([n_ff // 2]),
+            "all": np.arange(n_ff), "perm": rng.permutation(n_ff),
+            "subset": rng.permutation(n_ff)[: max(1, n_ff // 3)]}[kind]
+
+
+@pytest.mark.parametrize("act", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("name", TYPES)
+def test_qffn_sparse(ops, name, act):
+    t = TYPES[name]
+    for n_ff, d in ((33, 96), (7, 160), (257, 4128)):
+        rng = np.random.default_rng(n_ff + d + t + act)
+        raws = [encode(rng, n_ff, d, t, 0.3) for _ in range(3)]
+        g, u, dn = (decode(r, t) for r in raws)
+        gate = place(raws[0], 7) if act <= 2 else None
+        up, down = place(raws[1], 11), place(raws[2], 13)
+        for T, kind, masked, biased in SCENARIOS if d < 4096 else SCENARIOS[:2]:
+            x = rng.standard_normal((T, d)).astype(np.float32)
+            idx = pick(kind, n_ff, rng)
+            sel = np.arange(n_ff) if idx is None else idx
+            mask = rng.random((T, sel.size)) < 0.7 if masked else None
+            bias = rng.standard_normal(n_ff).astype(np.float32) * 0.3 if biased else None
+            cats = 0.0
+            if act == 0 and masked:  # CATS: a threshold in a wide gap between two |silu(g)| values
+                s = np.sort(np.abs(silu(q8(x)[0] @ g.T if t in BLOCK_BYTES else x @ g.T)).ravel())
+                i = int(np.argmax(np.diff(s[s.size // 4: 3 * s.size // 4]))) + s.size // 4
+                cats = float((s[i] + s[i + 1]) / 2)
+            ref = ffn_reference(x, g if act <= 2 else None, u, dn, sel, act, mask, bias, cats, t in BLOCK_BYTES,
+                                t in BLOCK_BYTES)
+            y, count = ops.qffn_sparse(
+                torch.from_numpy(x), gate, t, up, t, down, t, None if idx is None else torch.from_numpy(idx),
+                None if mask is None else torch.from_numpy(mask), act,
+                None if bias is None else torch.from_numpy(bias), cats)
+            err = np.abs(y.numpy() - ref["y"])
+            assert np.all(err <= ref["tol"]), f"n_ff {n_ff} d {d} T {T} {kind}: {np.max(err / ref['tol']):.3g}"
+            assert abs(count - ref["nonzero"]) <= ref["near"], (count, ref["nonzero"])
+
+
+@pytest.mark.parametrize("types", [(F16, Q4_0, Q8_0), (Q4_1, BF16, F32), (Q8_0, F32, Q4_1)])
+def test_qffn_sparse_mixed_types(ops, types):
+    """gate, up and down of three different types in one layer."""
+    tg, tu, td = types
+    rng = np.random.default_rng(sum(types))
+    n_ff, d, T = 40, 160, 3
+    raws = [encode(rng, n_ff, d, t, 0.3) for t in types]
+    g, u, dn = (decode(r, t) for r, t in zip(raws, types, strict=True))
+    x = rng.standard_normal((T, d)).astype(np.float32)
+    idx = rng.permutation(n_ff)[:25]
+    ref = ffn_reference(x, g, u, dn, idx, 1, g_q8=tg in BLOCK_BYTES, u_q8=tu in BLOCK_BYTES)
+    y, count = ops.qffn_sparse(torch.from_numpy(x), place(raws[0], 3), tg, place(raws[1], 5), tu, place(raws[2], 9),
+                               td, torch.from_numpy(idx), None, 1, None, 0.0)
+    assert np.all(np.abs(y.numpy() - ref["y"]) <= ref["tol"])
+    assert abs(count - ref["nonzero"]) <= ref["near"]
+
+
+def guarded_rows(raw: np.ndarray, readable: np.ndarray) -> tuple[torch.Tensor, mmap.mmap]:
+    """raw's rows one per page of an anonymous mapping; the pages of rows not `readable` are PROT_NONE, so touching
+    them kills the process: the proof that a kernel never reads them."""
+    page = mmap.PAGESIZE
+    rows, rb = raw.shape
+    assert rb <= page - 64
+    mem = mmap.mmap(-1, rows * page)
+    buf = np.frombuffer(mem, np.uint8).reshape(rows, page)
+    buf[:, 17:17 + rb] = raw  # an odd offset inside each page
+    libc = ctypes.CDLL(None, use_errno=True)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+    for r in np.flatnonzero(~readable):
+        assert libc.mprotect(ctypes.c_void_p(base + int(r) * page), ctypes.c_size_t(page), 0) == 0
+    t = torch.frombuffer(mem, dtype=torch.uint8).as_strided((rows, rb), (page, 1), 17)
+    return t, mem
+
+
+@pytest.mark.parametrize("act", [1, 2, 3, 0])
+def test_qffn_sparse_never_reads_dead_rows(ops, act):
+    """Gate-first: for ReLU, dReLU, CATS-SwiGLU (gate row decides) and gate-less ReLU (up row decides), the other
+    rows of a neuron whose activation is 0 for every token, or that every token masks out, are never read: their
+    pages are unreadable here."""
+    rng = np.random.default_rng(act)
+    n_ff, d, T, t = 64, 256, 3, Q4_0
+    raws = [encode(rng, n_ff, d, t, 0.3) for _ in range(3)]
+    g, u, dn = (decode(r, t) for r in raws)
+    x = rng.standard_normal((T, d)).astype(np.float32)
+    mask = np.ones((T, n_ff), bool)
+    mask[:, 5] = False  # neuron 5: masked out for every token
+    first = q8(x)[0] @ (g if act != 3 else u).T  # the deciding pre-activations [T, n_ff]
+    cats = float(np.quantile(np.abs(silu(first)), 0.6)) if act == 0 else 0.0
+    if act == 0:
+        dead = np.all(np.abs(silu(first)) < cats * 0.999, axis=0)
+    else:
+        dead = np.all(first < -1e-3, axis=0)
+    dead |= ~mask.any(0)
+    assert 5 < dead.sum() < n_ff - 5
+    gate = place(raws[0], 1) if act != 3 else None
+    if act == 3:
+        up, keep_up = place(raws[1], 1), None
+    else:
+        up, keep_up = guarded_rows(raws[1], ~dead)
+    down, keep_down = guarded_rows(raws[2], ~dead)
+    y, count = ops.qffn_sparse(torch.from_numpy(x), gate, t, up, t, down, t, None, torch.from_numpy(mask), act, None,
+                               cats)
+    ref = ffn_reference(x, g if act != 3 else None, u, dn, np.arange(n_ff), act, mask, None, cats, True, True)
+    assert np.all(np.abs(y.numpy() - ref["y"]) <= ref["tol"])
+    assert abs(count - ref["nonzero"]) <= ref["near"]
+    del keep_up, keep_down
+
+
+def test_qffn_sparse_rejects_bad_arguments(ops):
+    w = torch.zeros(8, 18, dtype=torch.uint8)
+    x = torch.randn(1, 32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.qffn_sparse(x, w, Q4_0, w, Q4_0, w, Q4_0, torch.tensor([0, 8]), None, 1, None, 0.0)
+    with pytest.raises(RuntimeError, match="gate-less"):
+        ops.qffn_sparse(x, w, Q4_0, w, Q4_0, w, Q4_0, None, None, 3, None, 0.0)
+    with pytest.raises(RuntimeError, match="need a gate"):
+        ops.qffn_sparse(x, None, 0, w, Q4_0, w, Q4_0, None, None, 1, None, 0.0)
+
+
+# --- qpredict_active --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("name", ["F16", "F32", "BF16"])
+@pytest.mark.parametrize("r,d,n_ff", [(16, 96, 33), (64, 4128, 257), (7, 32, 1), (40, 160, 700)])
+def test_qpredict_active(ops, name, transposed, r, d, n_ff):
+    t = TYPES[name]
+    rng = np.random.default_rng(r + d + n_ff + t)
+    raw1, raw2 = encode(rng, r, d, t, 0.2), encode(rng, n_ff, r, t, 0.5)
+    w1, w2 = decode(raw1, t), decode(raw2, t)
+    fc2 = place(np.ascontiguousarray(raw2.view(np.uint16 if t != F32 else np.float32).T).view(np.uint8), 3) \
+        if transposed else place(raw2, 3)
+    always = np.array([0, n_ff - 1]) if n_ff > 1 else None
+    for _ in range(3):
+        x = rng.standard_normal(d).astype(np.float32)
+        hidden = np.maximum(w1 @ x.astype(np.float64), 0)
+        scores = w2 @ hidden
+        thr = float(np.median(scores))
+        got = ops.qpredict_active(torch.from_numpy(x), place(raw1, 5), t, fc2, t, thr,
+                                  None if always is None else torch.from_numpy(always), transposed).numpy()
+        assert np.all(got[1:] > got[:-1])  # ascending, no duplicates
+        want = scores >= thr
+        if always is not None:
+            want[always] = True
+        near = np.abs(scores - thr) <= 1e-4 * (np.abs(w2) @ hidden + 1e-30)
+        got_mask = np.zeros(n_ff, bool)
+        got_mask[got] = True
+        assert np.array_equal(got_mask[~near], want[~near])
+        if always is not None:
+            assert got_mask[always].all()
+
+
+# --- legacy fp32 ops, norms, attention --------------------------------------------------------------------------------
+
+def test_legacy_ffn_sparse_rows_and_predict_active(ops):
+    """The fp32 ops the runtime uses today, on every build (test_sparse_ops covers them in depth on the runtime's)."""
+    gen = torch.Generator().manual_seed(0)
+    n_ff, d = 50, 96
+    gu, dt = torch.randn(n_ff, 2, d, generator=gen), torch.randn(n_ff, d, generator=gen)
+    x = torch.randn(3, d, generator=gen)
+    idx = torch.tensor([7, 3, 40, 0, 49])
+    for act in (0, 1, 2):
+        y, _ = ops.ffn_sparse_rows(x, gu, dt, idx, None, act)
+        a = x @ gu[idx, 0].T
+        b = x @ gu[idx, 1].T
+        h = F.silu(a) * b if act == 0 else F.relu(a) * b if act == 1 else F.relu(a) * F.relu(b)
+        torch.testing.assert_close(y, h @ dt[idx], rtol=1e-4, atol=1e-4)
+    fc1, fc2 = torch.randn(16, d, generator=gen), torch.randn(n_ff, 16, generator=gen)
+    s = torch.relu(x[:1] @ fc1.T) @ fc2.T
+    got = ops.predict_active(x[:1], fc1, fc2.T.contiguous(), 0.3, None)
+    near = (s[0] - 0.3).abs() < 1e-4
+    want = (s[0] >= 0.3)
+    mask = torch.zeros(n_ff, dtype=torch.bool)
+    mask[got] = True
+    assert torch.equal(mask[~near], want[~near])
+
+
+@pytest.mark.parametrize("T,d", [(1, 4128), (3, 7), (70, 96)])
+def test_norms(ops, T, d):
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(T, d, generator=gen) * 3 + 5  # a large mean: LayerNorm must centre before squaring
+    w, b = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (d,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5), F.layer_norm(x, (d,), w, b, 1e-5), rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(ops.layer_norm(x, w, None, 1e-5), F.layer_norm(x, (d,), w, None, 1e-5), rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("H,Hkv,pos", [(4, 4, 0), (8, 2, 37), (6, 1, 299)])
+def test_attend_decode(ops, dtype, neox, H, Hkv, pos):
+    """RoPE (adjacent or NeoX pairs) + cache write + attention against float64, for float32 and float16 caches."""
+    gen = torch.Generator().manual_seed(pos * 7 + H + neox)
+    D, ctx = 32, 320
+    k_cache = (torch.randn(Hkv, ctx, D, generator=gen) * 3).to(dtype)
+    v_cache = torch.randn(Hkv, ctx, D, generator=gen).to(dtype)
+    qkv = torch.randn(1, (H + 2 * Hkv) * D, generator=gen) * 3
+    ang = torch.rand(D // 2, generator=gen) * 6
+    rope = torch.stack([ang.cos(), ang.sin()], -1).contiguous()
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    out = ops.attend_decode(qkv, rope, k_cache, v_cache, pos, H, Hkv, 0.5, neox)
+
+    def rot(v):
+        v = v.double().view(-1, D)
+        if neox:
+            a, b = v[:, : D // 2], v[:, D // 2:]
+        else:
+            a, b = v.view(-1, D // 2, 2).unbind(-1)
+        c, s = rope.double().unbind(-1)
+        ra, rb = a * c - b * s, a * s + b * c
+        return torch.cat([ra, rb], -1) if neox else torch.stack([ra, rb], -1).view(-1, D)
+
+    q = rot(qkv[0, :H * D])
+    k_ref[:, pos] = rot(qkv[0, H * D:(H + Hkv) * D]).to(dtype).double()  # stored in the cache's precision
+    v_ref[:, pos] = qkv[0, (H + Hkv) * D:].view(Hkv, D).to(dtype).double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(k_cache[:, pos].double(), k_ref[:, pos], rtol=tol, atol=tol)
+    torch.testing.assert_close(v_cache[:, pos].double(), v_ref[:, pos], rtol=0, atol=0)
+    want = []
+    for h in range(H):
+        gk = h // (H // Hkv)
+        p = torch.softmax(k_ref[gk, :pos + 1] @ q[h] * 0.5, -1)
+        want.append(p @ v_ref[gk, :pos + 1])
+    torch.testing.assert_close(out.double().view(H, D), torch.stack(want), rtol=1e-4, atol=1e-4)
+
+
+def test_half_cache_conversions_are_exact(ops):
+    """Cache writes round to half exactly as torch does (nearest even, subnormals, overflow, inf, nan, -0), and
+    reads convert back exactly: with one position the output is the stored value."""
+    special = [0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8,
+               1e-9, 1.00048828125, 1.00146484375, 0.333333, float("inf"), float("-inf"), float("nan"), 3.14159,
+               -1.0009765625, 2049.0, 2051.0, 4097.0, -7.6e-6]
+    rng = np.random.default_rng(0)
+    vals = np.concatenate([np.array(special, np.float32), (rng.standard_normal(101) * 10.0 ** rng.integers(
+        -9, 6, 101)).astype(np.float32)])
+    D = 128
+    vals = np.resize(vals, D).astype(np.float32)
+    qkv = torch.zeros(1, 3 * D)
+    qkv[0, 2 * D:] = torch.from_numpy(vals)  # v = the values; q, k = 0
+    rope = torch.tensor([[1.0, 0.0]] * (D // 2))
+    kc, vc = torch.zeros(1, 4, D, dtype=torch.float16), torch.zeros(1, 4, D, dtype=torch.float16)
+    out = ops.attend_decode(qkv, rope, kc, vc, 0, 1, 1, 1.0)
+    want = torch.from_numpy(vals).half()
+    assert torch.equal(vc[0, 0].view(torch.int16), want.view(torch.int16))  # bit for bit, nan and -0 included
+    got, back = out[0], want.float()
+    assert torch.equal(got.isnan(), back.isnan())
+    assert torch.equal(got[~back.isnan()], back[~back.isnan()])
