@@ -210,6 +210,7 @@ def main() -> None:
             raise SystemExit(f"warm-up failed: {warm['error']}")
         mark = rss.mark()
         prompts, results, wall = load_phase(url, args.clients, args.max_tokens)
+        mark_load = rss.mark()
         convo_cached = conversation(url, turns, args.turn_tokens, cache=True)
         convo_fresh = conversation(url, turns, args.turn_tokens, cache=False)
     finally:
@@ -241,7 +242,8 @@ def main() -> None:
                  "wall_s": round(wall, 2), "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
                  "ttft_s": {"min": round(ttfts[0], 2), "median": round(statistics.median(ttfts), 2),
                             "max": round(ttfts[-1], 2)} if ttfts else None},
-        "rss_mib": {"after_warmup": round(after[0], 1), "max": round(max(after), 1), "last": round(after[-1], 1),
+        "rss_mib": {"after_warmup": round(after[0], 1), "after_load": round(mb[max(mark_load - 1, 0)], 1),
+                    "max": round(max(after), 1), "last": round(after[-1], 1),
                     "growth": round(max(after) - after[0], 1), "samples": len(mb)},
         "conversation": {
             "with_prefix_cache": [{k: v for k, v in t.items() if k != "text"} for t in convo_cached],
@@ -259,7 +261,8 @@ def main() -> None:
     print(f"      errors {len(errors)}, incomplete {len(incomplete)}, answers differing from Model.generate: "
           f"{wrong or 'none'}")
     r = report["rss_mib"]
-    print(f"rss:  {r['after_warmup']} MiB after warm-up, max {r['max']}, last {r['last']} ({r['samples']} samples)")
+    print(f"rss:  {r['after_warmup']} MiB after warm-up, {r['after_load']} after the clients, max {r['max']}, last "
+          f"{r['last']} ({r['samples']} samples)")
     for name in ("with_prefix_cache", "without_prefix_cache"):
         print(f"chat {name.replace('_', ' ')}:")
         for i, t in enumerate(report["conversation"][name], 1):
