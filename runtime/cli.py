@@ -46,14 +46,12 @@ class TextStream:
 
 
 def build_prompt(m, prompt: str, chat: bool, system: str | None) -> list[int]:
-    tok = m.tokenizer
+    from .chat import encode_chat
+
     if not chat:
-        return tok.encode(prompt)
+        return m.tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
-    # a template that writes the BOS token itself must not get a second one
-    bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else None
-    return tok.encode(text, add_special=not (bos and text.startswith(bos)))
+    return encode_chat(m.tokenizer, messages)
 
 
 def print_summary(m) -> None:
@@ -96,7 +94,8 @@ def run(
     repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")] = 64,
     seed: Annotated[int | None, typer.Option("--seed", help="RNG seed for sampling.")] = None,
     ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size).")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template; without -p or "
+                                       "-f, an interactive conversation in the terminal.")] = False,
     system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
     = None,
@@ -132,7 +131,7 @@ def run(
             if not file.exists():
                 raise PinferError(f"{file}: no such prompt file")
             prompt = file.read_text(encoding="utf-8")
-        if prompt is None:
+        if prompt is None and not chat:  # --chat without a prompt is the interactive chat
             raise PinferError("no prompt: pass -p TEXT or -f FILE")
         if n_predict < 0:
             raise PinferError(f"-n must be >= 0, got {n_predict}")
@@ -145,10 +144,13 @@ def run(
                        placement=placement, vram_budget=vram_budget, say=say)
         if not as_json:
             print_notices(m)
+        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                        repeat_last_n=repeat_last_n, seed=seed)
+        if prompt is None:
+            return run_chat(m, system, n_predict, sampling)
         ids = build_prompt(m, prompt, chat, system)
         stream = TextStream(m.tokenizer)
-        gen = m.generate(ids, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+        gen = m.generate(ids, max_tokens=n_predict, **sampling)
         if as_json:
             for tok in gen:
                 stream.push(tok)
@@ -167,6 +169,16 @@ def run(
         print_summary(m)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-run")) from None
+
+
+def run_chat(m, system: str | None, n_predict: int, sampling: dict) -> None:
+    from .chat import chat_loop
+
+    if not m.tokenizer.chat_template:
+        raise PinferError("this model has no tokenizer.chat_template, so it cannot chat; run without --chat")
+    if sys.stdin.isatty():
+        import readline  # noqa: F401 - line editing and history for input()
+    chat_loop(m, system, n_predict, sampling)
 
 
 def checked_threads(threads: int | None) -> int | None:

@@ -4,6 +4,7 @@
     ids = m.tokenizer.encode(text)
     logits = m.forward_logits(ids)              # float32 [len(ids), vocab], causal pass from position 0
     for tok in m.generate(ids, max_tokens=64, temperature=0.0): ...
+    m.generate(ids2, reuse_prefix=True)         # prefill only where ids2 leaves what the KV cache holds
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ from .placement import Placement
 from .sampling import SamplingParams, make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch memory for long prompts
+# A prompt that reuses the cache still prefills at least this many tokens when it has that many. qmatmul picks its
+# path by the number of rows (runtime/csrc/kernels.h GEMM_MIN_T: below it 8-bit activations in integer dot products,
+# from it an fp32 GEMM), and the two round differently; a fresh prefill of 16+ tokens takes the GEMM for all, so
+# the new tokens must too for the answer to be a fresh run's.
+REUSE_MIN_PREFILL = 16
 
 
 @dataclass
 class Stats:
     load_s: float = 0.0
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose keys and values were already in the cache (reuse_prefix)
     prompt_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
@@ -44,7 +51,7 @@ class Stats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+        return (self.prompt_tokens - self.reused_tokens) / self.prompt_s if self.prompt_s else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -52,6 +59,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         return {"load_s": round(self.load_s, 4), "prompt_tokens": self.prompt_tokens,
+                "reused_tokens": self.reused_tokens,
                 "prompt_s": round(self.prompt_s, 4), "prompt_tokens_per_s": round(self.prompt_tps, 2),
                 "decode_tokens": self.decode_tokens, "decode_s": round(self.decode_s, 4),
                 "decode_tokens_per_s": round(self.decode_tps, 2), "stop_reason": self.stop_reason}
@@ -66,6 +74,9 @@ class Model:
     threads: int
     ffn_mode: str = "dense"
     stats: Stats = field(default_factory=Stats)
+    # the token ids whose keys and values the KV cache holds at positions 0..len-1: a token enters only once its
+    # forward pass has written it, so an interrupted generation leaves this true
+    cached_ids: list[int] = field(default_factory=list, repr=False)
     notices: list[str] = field(default_factory=list)  # costs loading could not avoid (pi-run prints them)
     placement: Placement | None = None  # where the parts run when a GPU is used (runtime/placement.py)
     split: Split | None = None  # host time waiting for the GPU and copying, since the last prefill
@@ -106,15 +117,28 @@ class Model:
             raise PinferError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         return torch.tensor(list(ids), dtype=torch.long)
 
-    def _prefill(self, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
+    def _prefill(self, tokens: torch.Tensor, all_logits: bool, start: int = 0) -> torch.Tensor:
+        """Forward tokens[start:] at their positions; the cache must already hold tokens[:start]."""
+        ids = tokens.tolist()
+        self.cached_ids = ids[:start]
         outs = []
-        for s in range(0, tokens.numel(), PREFILL_CHUNK):
+        for s in range(start, tokens.numel(), PREFILL_CHUNK):
             chunk = tokens[s:s + PREFILL_CHUNK]
             last = s + PREFILL_CHUNK >= tokens.numel()
             logits = self.transformer.forward(chunk, s, all_logits=all_logits)
+            self.cached_ids = ids[:s + chunk.numel()]
             if all_logits or last:
                 outs.append(logits)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def reusable_prefix(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of `ids` the KV cache already holds and may keep: at least one token is left to
+        prefill (its logits pick the first new token), REUSE_MIN_PREFILL if the prompt has that many."""
+        keep = REUSE_MIN_PREFILL if len(ids) >= REUSE_MIN_PREFILL else 1
+        n, limit = 0, min(len(self.cached_ids), len(ids) - keep)
+        while n < limit and self.cached_ids[n] == ids[n]:
+            n += 1
+        return n
 
     @torch.inference_mode()
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -124,21 +148,31 @@ class Model:
 
     def generate(self, ids: Sequence[int], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-                 seed: int | None = None, stop_ids: set[int] | None = None) -> Iterator[int]:
+                 seed: int | None = None, stop_ids: set[int] | None = None,
+                 reuse_prefix: bool = False) -> Iterator[int]:
         """Yield up to max_tokens new token ids after the prompt `ids`; self.stats holds the timings.
-        The prompt is checked here, before the first token is asked for."""
+        The prompt is checked here, before the first token is asked for.
+
+        reuse_prefix: keep the keys and values of the longest common prefix of `ids` and what the cache holds from
+        the previous call (a chat re-sends the whole conversation each turn) and prefill only the rest, as
+        llama.cpp's server does; stats.reused_tokens says how many were kept. Off by default: a single prompt gains
+        nothing. Kept tokens that were generated (not prefilled) went through the decode kernels, which round
+        differently from a prefill's, so on quantised models a later answer may differ slightly from a fresh run's,
+        as with llama.cpp's cache_prompt."""
         tokens = self._check_ids(ids, extra=1)
         sample = make_sampler(SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed))
         stop_ids = self.tokenizer.stop_ids if stop_ids is None else stop_ids
-        return self._generate(tokens, max_tokens, sample, stop_ids)
+        return self._generate(tokens, max_tokens, sample, stop_ids, reuse_prefix)
 
     @torch.inference_mode()
-    def _generate(self, tokens: torch.Tensor, max_tokens: int, sample, stop_ids: set[int]) -> Iterator[int]:
+    def _generate(self, tokens: torch.Tensor, max_tokens: int, sample, stop_ids: set[int],
+                  reuse_prefix: bool) -> Iterator[int]:
         ids = tokens.tolist()
         history = list(ids)
-        st = self.stats = Stats(load_s=self.stats.load_s, prompt_tokens=len(ids))
+        reused = self.reusable_prefix(ids) if reuse_prefix else 0
+        st = self.stats = Stats(load_s=self.stats.load_s, prompt_tokens=len(ids), reused_tokens=reused)
         t0 = time.perf_counter()
-        logits = self._prefill(tokens, all_logits=False)[-1]
+        logits = self._prefill(tokens, all_logits=False, start=reused)[-1]
         st.prompt_s = time.perf_counter() - t0
         if self.split is not None:
             self.split.reset()  # the per-token split is of decode steps
@@ -161,6 +195,7 @@ class Model:
                 st.stop_reason = "context full"
                 break
             logits = self.transformer.forward(torch.tensor([tok]), pos)[-1]
+            self.cached_ids.append(tok)
             pos += 1
         st.decode_s = time.perf_counter() - t0
 

@@ -1,0 +1,277 @@
+"""A bounded load test of pi-serve: concurrent streaming clients, then a multi-turn chat with and without the
+prefix cache.
+
+    python benchmarks/serve_load.py                           # smollm2, 2 threads, 16 clients, 5 turns
+    python benchmarks/serve_load.py --model m.gguf --threads 2 --clients 16 --max-tokens 32 --turns 5 --json
+
+1. `pi-serve MODEL --queue CLIENTS` starts as a subprocess on a free loopback port; one request warms it up.
+2. CLIENTS streaming chat requests at once, one prompt each, greedy. Each must finish without error and say what
+   Model.generate says to the same prompt (pi-run --chat --temp 0), computed afterwards in this process. Reported:
+   time to first token (queueing included), wall time, total tokens/s.
+3. A TURNS-turn conversation (each turn re-sends the whole conversation), once with the prefix cache and once with
+   cache_prompt false: per turn, prompt and reused tokens, time to first token, decode tokens/s, and whether the
+   answer equals Model.generate's on that history. Without the cache it must; with it, the earlier answers' keys
+   and values came from decode steps, which round differently from a prefill's GEMM, so a quantised model may
+   answer slightly differently (as with llama.cpp's cache_prompt).
+The server's VmRSS is sampled from /proc every 0.2 s throughout; it should stay flat after the warm-up.
+Every request has a timeout and the run stops by itself; it talks to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TOPICS = ["the sea", "mountains", "a cat", "coffee", "trains", "autumn", "a library", "the moon", "bread", "rain",
+          "a garden", "music", "winter", "bicycles", "the desert", "a lighthouse", "bees", "clocks", "snow", "rivers"]
+TURNS = ["Tell me about the moon.", "How far away is it?", "Who walked on it first?", "What did they bring back?",
+         "Summarise our conversation in one sentence."]
+TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+class RssSampler:
+    """VmRSS of a process, sampled from /proc every `every` seconds in a thread."""
+
+    def __init__(self, pid: int, every: float = 0.2):
+        self.pid, self.every, self.samples, self._stop = pid, every, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                text = Path(f"/proc/{self.pid}/status").read_text()
+                self.samples.append((time.monotonic(), int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) / 1024))
+            except (OSError, AttributeError):
+                return
+            self._stop.wait(self.every)
+
+    def mark(self) -> int:
+        return len(self.samples)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(2)
+
+
+def start_server(model: str, threads: int, queue: int) -> tuple[subprocess.Popen, str]:
+    p = subprocess.Popen([sys.executable, "-m", "runtime.serve_cli", model, "--port", "0", "-t", str(threads),
+                          "--queue", str(queue)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    line = p.stderr.readline()
+    m = re.search(r"on (http://\S+)/v1 ", line)
+    if not m:
+        p.kill()
+        raise SystemExit(f"pi-serve did not start: {line}{p.stderr.read()}")
+    threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # drain its log
+    url = m.group(1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(url + "/health", timeout=2).raise_for_status()
+            return p, url
+        except httpx.HTTPError:
+            if time.monotonic() > deadline or p.poll() is not None:
+                p.kill()
+                raise SystemExit("pi-serve did not answer /health") from None
+            time.sleep(0.1)
+
+
+def stream_chat(url: str, messages: list[dict], max_tokens: int, cache: bool = True) -> dict:
+    """One streaming chat request: text, time to first token, decode time, usage, error."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_prompt": cache}
+    out = {"text": "", "ttft": None, "error": None, "usage": None, "finish": None, "done": False}
+    t0 = time.monotonic()
+    t_last = t0
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
+            if r.status_code != 200:
+                r.read()
+                out["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
+                return out
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    out["done"] = True
+                    break
+                ev = json.loads(data)
+                if "error" in ev:
+                    out["error"] = ev["error"]["message"]
+                    break
+                if ev.get("usage"):
+                    out["usage"] = ev["usage"]
+                for ch in ev["choices"]:
+                    piece = ch["delta"].get("content")
+                    if piece:
+                        t_last = time.monotonic()
+                        out["ttft"] = out["ttft"] if out["ttft"] is not None else t_last - t0
+                        out["text"] += piece
+                    out["finish"] = ch["finish_reason"] or out["finish"]
+    except httpx.HTTPError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["wall"] = time.monotonic() - t0
+    out["decode_s"] = t_last - t0 - (out["ttft"] or 0)
+    return out
+
+
+def load_phase(url: str, clients: int, max_tokens: int) -> tuple[list[dict], list[dict], float]:
+    prompts = [[{"role": "user", "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]}."}]
+               for i in range(clients)]
+    results: list[dict] = [{} for _ in range(clients)]
+    start = threading.Barrier(clients)
+
+    def client(i):
+        start.wait()
+        results[i] = stream_chat(url, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    return prompts, results, time.monotonic() - t0
+
+
+def conversation(url: str, turns: list[str], max_tokens: int, cache: bool) -> list[dict]:
+    msgs, out = [], []
+    for user in turns:
+        msgs.append({"role": "user", "content": user})
+        r = stream_chat(url, msgs, max_tokens, cache)
+        if r["error"]:
+            raise SystemExit(f"turn failed: {r['error']}")
+        u = r["usage"]
+        n = u["completion_tokens"]
+        out.append({"prompt_tokens": u["prompt_tokens"], "reused": u["prompt_tokens_details"]["cached_tokens"],
+                    "ttft_s": round(r["ttft"], 3), "tokens": n,
+                    "decode_tps": round((n - 1) / r["decode_s"], 1) if n > 1 and r["decode_s"] > 0 else None,
+                    "text": r["text"]})
+        msgs.append({"role": "assistant", "content": r["text"]})
+    return out
+
+
+def histories(turns: list[str], answers: list[dict]) -> list[list[dict]]:
+    """The messages each turn of a conversation was asked with."""
+    msgs, out = [], []
+    for user, a in zip(turns, answers, strict=True):
+        msgs.append({"role": "user", "content": user})
+        out.append(list(msgs))
+        msgs.append({"role": "assistant", "content": a["text"]})
+    return out
+
+
+def references(model: str, threads: int, conversations: list[list[dict]], max_tokens: int) -> list[str]:
+    """What Model.generate (as pi-run --chat --temp 0 -n N) answers to each conversation, from a fresh prefill."""
+    from runtime import load_model
+    from runtime.chat import encode_chat
+
+    m = load_model(model, threads=threads)
+    out = []
+    for msgs in conversations:
+        toks = list(m.generate(encode_chat(m.tokenizer, msgs), max_tokens=max_tokens, temperature=0.0))
+        out.append(m.tokenizer.decode(toks, skip_special=True))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--turn-tokens", type=int, default=48)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    turns = TURNS[:args.turns]
+
+    proc, url = start_server(args.model, args.threads, queue=args.clients)
+    rss = RssSampler(proc.pid)
+    try:
+        warm = stream_chat(url, [{"role": "user", "content": "Hi."}], 8)
+        if warm["error"]:
+            raise SystemExit(f"warm-up failed: {warm['error']}")
+        mark = rss.mark()
+        prompts, results, wall = load_phase(url, args.clients, args.max_tokens)
+        mark_load = rss.mark()
+        convo_cached = conversation(url, turns, args.turn_tokens, cache=True)
+        convo_fresh = conversation(url, turns, args.turn_tokens, cache=False)
+    finally:
+        rss.stop()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    # correctness: every client's answer against a fresh Model.generate of the same prompt
+    refs = references(args.model, args.threads, prompts, args.max_tokens)
+    errors = [r["error"] for r in results if r.get("error")]
+    wrong = [i for i, (r, ref) in enumerate(zip(results, refs, strict=True)) if r.get("text") != ref]
+    incomplete = [i for i, r in enumerate(results) if not r.get("done")]
+    turn_match = {name: [t["text"] == r for t, r in zip(c, references(args.model, args.threads,
+                                                                     histories(turns, c), args.turn_tokens),
+                                                          strict=True)]
+                  for name, c in (("with", convo_cached), ("without", convo_fresh))}
+
+    mb = [s for _, s in rss.samples]
+    after = mb[mark:] or mb
+    tokens = sum(r["usage"]["completion_tokens"] for r in results if r.get("usage"))
+    ttfts = sorted(r["ttft"] for r in results if r.get("ttft") is not None)
+    report = {
+        "model": args.model, "threads": args.threads, "clients": args.clients, "max_tokens": args.max_tokens,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "load": {"errors": errors, "incomplete": incomplete, "answers_differing_from_model_generate": wrong,
+                 "wall_s": round(wall, 2), "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
+                 "ttft_s": {"min": round(ttfts[0], 2), "median": round(statistics.median(ttfts), 2),
+                            "max": round(ttfts[-1], 2)} if ttfts else None},
+        "rss_mib": {"after_warmup": round(after[0], 1), "after_load": round(mb[max(mark_load - 1, 0)], 1),
+                    "max": round(max(after), 1), "last": round(after[-1], 1),
+                    "growth": round(max(after) - after[0], 1), "samples": len(mb)},
+        "conversation": {
+            "with_prefix_cache": [{k: v for k, v in t.items() if k != "text"} for t in convo_cached],
+            "without_prefix_cache": [{k: v for k, v in t.items() if k != "text"} for t in convo_fresh],
+            "same_answers_with_and_without": [a["text"] for a in convo_cached] == [b["text"] for b in convo_fresh],
+            # each turn against Model.generate on that conversation's own history, prefilled from scratch
+            "turns_equal_model_generate": turn_match},
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    ld = report["load"]
+    print(f"load: {args.clients} streaming clients x {args.max_tokens} tokens, {args.threads} threads: "
+          f"{ld['wall_s']} s, {ld['tokens_per_s']} tok/s; time to first token {ld['ttft_s']}")
+    print(f"      errors {len(errors)}, incomplete {len(incomplete)}, answers differing from Model.generate: "
+          f"{wrong or 'none'}")
+    r = report["rss_mib"]
+    print(f"rss:  {r['after_warmup']} MiB after warm-up, {r['after_load']} after the clients, max {r['max']}, last "
+          f"{r['last']} ({r['samples']} samples)")
+    for name in ("with_prefix_cache", "without_prefix_cache"):
+        print(f"chat {name.replace('_', ' ')}:")
+        for i, t in enumerate(report["conversation"][name], 1):
+            print(f"  turn {i}: prompt {t['prompt_tokens']:4d} tokens, reused {t['reused']:4d}, "
+                  f"first token {t['ttft_s']:6.3f} s, decode {t['decode_tps']} tok/s ({t['tokens']} tokens)")
+    c = report["conversation"]
+    print(f"same answers with and without the cache: {c['same_answers_with_and_without']}; turns equal to "
+          f"Model.generate: {c['turns_equal_model_generate']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""pi-serve's command line: each user error is one line and a non-zero exit, before any model is loaded where it
+can be; and a real `pi-serve` process that starts, answers, and stops cleanly on SIGINT."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from runtime.serve_cli import app
+from tests.tiny_server import write_chat_model
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    p = tmp_path_factory.mktemp("cli") / "tiny-chat.gguf"
+    write_chat_model(p)
+    return p
+
+
+def one_line_error(args, *needles):
+    res = runner.invoke(app, [str(a) for a in args])
+    out = res.output.strip()
+    assert res.exit_code != 0 and "Traceback" not in out, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pi-serve: error:"), out
+    for n in needles:
+        assert n in lines[0], out
+
+
+def test_bad_port(tmp_path):
+    # checked before the model is looked for (a missing one here): the error names the port
+    one_line_error([tmp_path / "nope.gguf", "--port", "70000"], "--port must be from 0 to 65535", "70000")
+
+
+def test_missing_model(tmp_path):
+    one_line_error([tmp_path / "nope.gguf", "--port", "0"], "nope.gguf", "no such file")
+
+
+def test_port_in_use(model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        one_line_error([model, "--port", s.getsockname()[1]], "cannot listen on 127.0.0.1:", "in use")
+
+
+def test_unknown_host(model):
+    one_line_error([model, "--host", "no-such-host.invalid", "--port", "0"], "cannot listen on no-such-host.invalid")
+
+
+@pytest.mark.parametrize("args, needle", [(["--queue", "-1"], "--queue must be >= 0"),
+                                          (["--sparse", "--dense"], "choose one of"),
+                                          (["-t", "0"], "--threads must be >= 1")])
+def test_bad_options(model, args, needle):
+    one_line_error([model, "--port", "0", *args], needle)
+
+
+def test_serves_and_stops_on_sigint(model):
+    p = subprocess.Popen([sys.executable, "-m", "runtime.serve_cli", str(model), "--port", "0", "-t", "1",
+                          "--api-key", "k"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        line = p.stderr.readline()  # the first line says where it listens
+        url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1 ", line)
+        assert url, line
+        url = url.group(1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(url + "/health").json()["status"] == "ok"
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer k"},
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert "tiny-chat" in line and "API key required" in line and "1 threads" in line
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0 and "Traceback" not in err and err.rstrip().endswith("pi-serve: stopped"), err

@@ -1,0 +1,155 @@
+"""Model.generate(reuse_prefix=True): the KV cache of the previous call is kept for the longest common prefix and only
+the rest is prefilled. Each case checks the greedy tokens against a fresh run and, sharper than tokens, that the
+cache then holds the same keys as a fresh run's cache at every position it claims."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from formats import constants as C
+from formats.model_writer import write_llama
+from formats.writer import RawTensor
+from runtime import load_model
+from runtime.engine import REUSE_MIN_PREFILL
+from tests.tiny import random_weights, tiny_config, write_tiny
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prefix") / "m.gguf"
+    write_tiny(p, n_layer=2, n_ctx_train=256)
+    threads = torch.get_num_threads()
+    # one thread: a tiny model gains nothing from two, and spinning OpenMP threads crawl on a busy machine
+    yield load_model(p, threads=1)
+    torch.set_num_threads(threads)
+
+
+def prompt(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+def greedy(m, ids, n=8, reuse=False):
+    return list(m.generate(ids, max_tokens=n, temperature=0.0, stop_ids=set(), reuse_prefix=reuse))
+
+
+def cached_keys(m) -> torch.Tensor:
+    """The keys at every position the record claims, all layers: [n_layer, n_head_kv, positions, head_dim]."""
+    return torch.stack([k[:, :len(m.cached_ids)] for k in m.transformer.cache.k])
+
+
+def fresh(m, ids, n=8):
+    """Tokens and cached keys of a run that prefills everything."""
+    out = greedy(m, ids, n)
+    return out, cached_keys(m)
+
+
+def check_same_as_fresh(m, ids, expect_reused, n=8, atol=1e-4):
+    out = greedy(m, ids, n, reuse=True)
+    assert m.stats.reused_tokens == expect_reused
+    assert m.stats.prompt_tokens == len(ids)
+    keys = cached_keys(m)
+    cached = list(m.cached_ids)
+    ref, ref_keys = fresh(m, ids, n)
+    assert out == ref
+    assert cached == m.cached_ids == ids + ref  # max_tokens ran out: the consumer's last next() forwarded the last
+    torch.testing.assert_close(keys, ref_keys, atol=atol, rtol=atol)
+
+
+def test_off_by_default(model):
+    a = prompt(20, 1)
+    greedy(model, a)
+    greedy(model, a)
+    assert model.stats.reused_tokens == 0
+
+
+def test_next_turn_reuses_prompt_and_answer(model):
+    a = prompt(24, 2)
+    out = greedy(model, a, reuse=True)
+    assert model.cached_ids == a + out
+    check_same_as_fresh(model, a + out + prompt(20, 3), expect_reused=len(a) + len(out))
+
+
+def test_answer_that_ended_on_a_stop_token(model):
+    a = prompt(24, 2)
+    out = greedy(model, a)
+    gen = model.generate(a, max_tokens=8, temperature=0.0, stop_ids={out[3]}, reuse_prefix=True)
+    assert list(gen) == out[:4] and model.stats.stop_reason == "stop"
+    assert model.cached_ids == a + out[:3]  # the stop token was never forwarded
+    check_same_as_fresh(model, a + out[:4] + prompt(20, 3), expect_reused=len(a) + 3)
+
+
+def test_diverging_prompt_shorter_than_cache(model):
+    a = prompt(40, 4)
+    greedy(model, a, reuse=True)
+    b = a[:15] + prompt(16, 5)  # differs from position 15 on, and ends well before what the cache holds
+    assert b[15] != a[15]
+    check_same_as_fresh(model, b, expect_reused=15)
+
+
+def test_same_prompt_again_prefills_the_minimum(model):
+    a = prompt(30, 6)
+    greedy(model, a, reuse=True)
+    # 16 tokens, the rows from which a fresh prefill takes the GEMM kernel
+    check_same_as_fresh(model, a, expect_reused=30 - REUSE_MIN_PREFILL)
+
+
+def test_short_prompt_that_is_a_prefix_of_the_cache_prefills_one_token(model):
+    a = prompt(30, 7)
+    greedy(model, a, reuse=True)
+    check_same_as_fresh(model, a[:12], expect_reused=11)  # 12 < 16: a fresh prefill takes the decode kernel too
+
+
+def test_nothing_in_common(model):
+    greedy(model, prompt(20, 8), reuse=True)
+    b = prompt(20, 9)
+    b[0] = 299
+    check_same_as_fresh(model, b, expect_reused=0)
+
+
+def test_interrupted_generation_leaves_a_true_record(model):
+    a = prompt(20, 10)
+    gen = model.generate(a, max_tokens=50, temperature=0.0, stop_ids=set(), reuse_prefix=True)
+    got = [next(gen) for _ in range(3)]
+    gen.close()
+    assert model.cached_ids == a + got[:2]
+    check_same_as_fresh(model, a + got + prompt(16, 11), expect_reused=len(a) + 2)
+
+
+def test_forward_logits_replaces_the_record(model):
+    greedy(model, prompt(20, 12), reuse=True)
+    b = prompt(25, 13)
+    model.forward_logits(b)
+    assert model.cached_ids == b
+    check_same_as_fresh(model, b + prompt(16, 14), expect_reused=25)
+
+
+def test_prefix_across_prefill_chunks(model, monkeypatch):
+    monkeypatch.setattr("runtime.engine.PREFILL_CHUNK", 8)
+    a = prompt(30, 15)
+    greedy(model, a, reuse=True)
+    check_same_as_fresh(model, a[:21] + prompt(16, 16), expect_reused=21)
+
+
+@pytest.fixture(scope="module")
+def q4_model(tmp_path_factory):
+    """A tiny model whose matrices are Q4_0: prefill (16+ rows) runs an fp32 GEMM, fewer rows 8-bit dot products."""
+    cfg = tiny_config(n_ctx_train=256)
+    w = random_weights(cfg)
+    for name, a in list(w.items()):
+        if a.ndim == 2 and name != C.TOKEN_EMBD:
+            w[name] = RawTensor(quants.quantize(a, T.Q4_0), T.Q4_0, a.shape)
+    p = tmp_path_factory.mktemp("q4") / "q4.gguf"
+    write_llama(p, cfg, w)
+    threads = torch.get_num_threads()
+    yield load_model(p, threads=1)
+    torch.set_num_threads(threads)
+
+
+def test_quantised_model_reuse_takes_the_fresh_prefill_kernel(q4_model):
+    """The 12 new tokens alone would take the decode path where a fresh prefill of the 40 takes the GEMM; keeping
+    16 tokens to prefill gives the fresh run's keys, not just close ones."""
+    a = prompt(40, 17)
+    greedy(q4_model, a, reuse=True)
+    check_same_as_fresh(q4_model, a[:28] + prompt(12, 18), expect_reused=24, atol=1e-5)
