@@ -12,6 +12,10 @@ class PinferError(Exception):
     """A problem with the user's input, reported as one line."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception while a file is being written so that it cleans up as Ctrl-C does."""
+
+
 def report(exc: BaseException, verbose: bool = False, prog: str = "pinfer") -> int:
     """Print a user-facing error and return the exit code a CLI should use."""
     if verbose:
@@ -19,6 +23,9 @@ def report(exc: BaseException, verbose: bool = False, prog: str = "pinfer") -> i
     if isinstance(exc, PinferError):
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
+    if isinstance(exc, Terminated):
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 143
     if isinstance(exc, KeyboardInterrupt):
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
