@@ -7,9 +7,15 @@ what is wrong and what to do. The CLIs print it without a traceback (unless --ve
 import sys
 import traceback
 
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
+
 
 class PinferError(Exception):
-    """A problem with the user's input, reported as one line."""
+    """A problem with the user's input, reported as one line (control characters from a file's bytes, such as a
+    newline in a corrupt tensor name, are escaped)."""
+
+    def __init__(self, message: object = "", *args):
+        super().__init__(str(message).translate(_CONTROL), *args)
 
 
 class Terminated(KeyboardInterrupt):

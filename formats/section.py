@@ -257,6 +257,8 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
                 break
             _merge(f, sec)
             f.pinned = blob + more
+            if problems:
+                f.warnings.append(f"{f.path}: newer pinfer section ignored ({'; '.join(problems)})")
             return
         if not retry:
             if problems:

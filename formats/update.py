@@ -189,16 +189,30 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
         current, _ = S.current_section(buf, path, size, f0.data_end) if have_dir else (None, [])
         raw_slots = S.read_slots(buf, S.dir_offset(f0.data_end)) if have_dir else [S.Slot(0, 0, 0, 0)] * 2
         content = merged_content(f0, current, **changes)
-        return _commit(fd, path, f0, size, have_dir, current, raw_slots, content, progress)
+        _commit(fd, path, f0, size, have_dir, current, raw_slots, content, progress)
+    # A new section goes where the current one is not; when that was after it, the file could not shrink. Now the
+    # old one is free: if a lower gap holds the (small) new one, write it there too and let the end go.
+    size = os.fstat(fd).st_size
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
+        current, _ = S.current_section(buf, path, size, f0.data_end)
+        if current is not None and current.nbytes <= COMPACT_MAX:
+            raw_slots = S.read_slots(buf, S.dir_offset(f0.data_end))
+            _commit(fd, path, f0, size, True, current, raw_slots, merged_content(f0, current), False, only_lower=True)
+    return path
 
 
 def _commit(fd: int, path: Path, f0: GGUFFile, size: int, have_dir: bool, current: S.Section | None,
-            raw_slots: list[S.Slot], content: S.Content, progress: bool) -> Path:
+            raw_slots: list[S.Slot], content: S.Content, progress: bool, only_lower: bool = False) -> bool:
+    """Write `content` as the next section and make it current; with only_lower, only if it can go below the
+    current one (to let the file shrink). Returns whether it wrote."""
     d = S.dir_offset(f0.data_end)
     start = d + C.SECTION_DIR_SIZE
     nbytes = S.layout(content, start).nbytes
     live = current.ranges if current is not None else []
     offset, reserved = _place(fd, size, start, live, nbytes)
+    if only_lower and (current is None or offset >= current.offset):
+        locks.release(fd, reserved)
+        return False
     lay = S.layout(content, offset)
     committed = False
     try:
@@ -244,7 +258,10 @@ def _commit(fd: int, path: Path, f0: GGUFFile, size: int, have_dir: bool, curren
         locks.release(fd, reserved)
     _reclaim(fd, start, lay.ranges)
     checkpoint("reclaimed")
-    return path
+    return True
+
+
+COMPACT_MAX = 64 << 20  # a section up to this size is moved down once more when that lets the file shrink
 
 
 def _place(fd: int, size: int, start: int, live: list[tuple[int, int]], nbytes: int):
