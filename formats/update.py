@@ -345,10 +345,11 @@ def write_copy(src: GGUFFile, dest: str | os.PathLike, *, set_metadata: dict[str
                              drop_keys=drop_keys, drop_tensors=drop_tensors, drop_prefixes=drop_prefixes,
                              value_types=value_types)
     moved = [n for n in src.header_tensors if pinfer_only(n, src) and n not in content.hidden_tensors]
+    promoted = promotable_predictors(src, content)
     src_fd = src.fileno()
     with atomic_output(dest) as fd:
-        if moved or src.legacy_types:
-            end = _write_clean_header(fd, src, src_fd, content, moved, progress)
+        if moved or promoted or src.legacy_types:
+            end = _write_header(fd, src, src_fd, content, moved, promoted, progress)
         else:
             with _bar(progress, src.data_end, f"copying {src.path.name}") as advance:
                 W.copy_range(src_fd, fd, 0, 0, src.data_end)
@@ -374,9 +375,24 @@ def write_copy(src: GGUFFile, dest: str | os.PathLike, *, set_metadata: dict[str
     return dest
 
 
-def _write_clean_header(fd: int, src: GGUFFile, src_fd: int, content: S.Content, moved: list[str],
-                        progress: bool) -> int:
-    """Rebuild the header without pinfer's tensors (moved into `content`) and hidden entries; returns the data end."""
+def promotable_predictors(src: GGUFFile, content: S.Content) -> list[str]:
+    """Predictor tensors a copy puts into the header: PowerInfer cannot load a PWRI file without fc1/fc2 for every
+    layer, so when the source's header has none and the section holds a full set, the copy's header gets them
+    (with powerinfer.sparse_threshold)."""
+    if not src.is_powerinfer or any(".fc1." in n or ".fc2." in n for n in src.header_tensors):
+        return []
+    n_layer = src.header_metadata.get(f"{src.architecture}.block_count")
+    if not isinstance(n_layer, (int, np.integer)) or isinstance(n_layer, bool) or n_layer <= 0:
+        return []
+    names = [C.tensor(t, b) for b in range(int(n_layer)) for t in (C.PRED_FC1, C.PRED_FC2)]
+    ok = all(n in content.tensors and content.tensors[n].ggml_type in (0, 1) for n in names)  # F32 or F16
+    return names if ok else []
+
+
+def _write_header(fd: int, src: GGUFFile, src_fd: int, content: S.Content, moved: list[str], promoted: list[str],
+                  progress: bool) -> int:
+    """Write the model part of a copy with a rebuilt header: pinfer's tensors and hidden entries out (moved into
+    `content`), `promoted` predictors in. Returns where the tensor data ends."""
     for name in moved:
         if name not in content.tensors:
             content.tensors[name] = src.header_tensors[name]
@@ -384,21 +400,28 @@ def _write_clean_header(fd: int, src: GGUFFile, src_fd: int, content: S.Content,
     content.hidden_keys, content.hidden_tensors = set(), set()
     meta = {k: v for k, v in src.header_metadata.items() if k not in hidden_keys and k != C.ALIGNMENT}
     types = {k: v for k, v in src.header_value_types.items() if k in meta}
-    keep = [t for n, t in src.header_tensors.items() if n not in moved and n not in hidden_tensors]
+    keep = [(n, t) for n, t in src.header_tensors.items() if n not in moved and n not in hidden_tensors]
+    keep += [(n, content.tensors.pop(n)) for n in promoted]
+    if promoted and C.SPARSE_THRESHOLD in content.metadata:
+        meta[C.SPARSE_THRESHOLD] = np.float32(content.metadata[C.SPARSE_THRESHOLD])
+        types[C.SPARSE_THRESHOLD] = (6, None)
     align = src.alignment
     infos, pos = [], 0
-    for t in keep:
-        stored = W.powerinfer_type(t.name, t.ggml_type) if src.is_powerinfer else t.ggml_type
-        infos.append((t.name, t.ne, stored, pos))
+    for name, t in keep:
+        stored = W.powerinfer_type(name, t.ggml_type) if src.is_powerinfer else t.ggml_type
+        infos.append((name, tuple(t.ne), stored, pos))
         pos += S.round_up(t.nbytes, align)
     head = W.encode_header(src.magic, meta, types, infos, align)
     data_offset = S.round_up(len(head), align)
     pwrite_all(fd, head.ljust(data_offset, b"\0"), 0)
-    with _bar(progress, sum(t.nbytes for t in keep), f"copying {src.path.name}") as advance:
-        for t, (_, _, _, rel) in zip(keep, infos, strict=True):
-            W.copy_range(src_fd, fd, t.offset, data_offset + rel, t.nbytes)
+    with _bar(progress, sum(t.nbytes for _, t in keep), f"copying {src.path.name}") as advance:
+        for (_, t), (*_, rel) in zip(keep, infos, strict=True):
+            if isinstance(t, S.NewTensor):
+                write_array(fd, t.data, data_offset + rel)
+            else:
+                W.copy_range(src_fd, fd, t.offset, data_offset + rel, t.nbytes)
             advance(t.nbytes)
-    end = data_offset + (max((rel + t.nbytes for t, (*_, rel) in zip(keep, infos, strict=True)), default=0))
+    end = data_offset + max((rel + t.nbytes for (_, t), (*_, rel) in zip(keep, infos, strict=True)), default=0)
     os.ftruncate(fd, data_offset + pos)
     return end
 
@@ -428,12 +451,15 @@ def check_writable(f: GGUFFile, out: str | os.PathLike | None = None) -> None:
         W.refuse_installed(out)
 
 
-def store(f: GGUFFile, out: str | os.PathLike | None = None, **changes) -> Path:
-    """Store changes into `f` in place (out None, or f's own file) or into a copy at `out`."""
+def store(f: GGUFFile, out: str | os.PathLike | None = None, *, close: bool = False, **changes) -> Path:
+    """Store changes into `f` in place (out None, or f's own file) or into a copy at `out`.
+
+    close: the caller is done with `f`; in place, it is closed first, so that the section it read (pinned while it
+    is open) can be freed by this very write instead of the next one."""
     from .writer import _same_file
 
     if out is None or _same_file(f.path, Path(out)):
+        if close:
+            f.close()
         return update_model(f.path, expect=f, **changes)
     return write_copy(f, out, **changes)
-
-

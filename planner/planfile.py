@@ -91,9 +91,10 @@ def _plan_tensors(masks: list[np.ndarray], buckets: list[np.ndarray]) -> dict[st
 
 def write_plan(f: GGUFFile, masks: list[np.ndarray], buckets: list[np.ndarray], meta: dict,
                dest: str | os.PathLike | None = None, progress: bool = True) -> Path:
-    """Store the plan's tensors and keys into `f` in place (or into a copy at `dest`), replacing any earlier plan."""
+    """Store the plan's tensors and keys into `f` in place (or into a copy at `dest`), replacing any earlier plan.
+    In place, `f` is closed first (its section can then be freed by this write): the caller is done with it."""
     return store(f, dest, set_metadata=meta, set_tensors=_plan_tensors(masks, buckets),
-                 drop_prefixes=(C.PLAN_PREFIX,), progress=progress)
+                 drop_prefixes=(C.PLAN_PREFIX,), progress=progress, close=True)
 
 
 def read_plan(f: GGUFFile, model: GGUFFile | None = None) -> StoredPlan:

@@ -215,7 +215,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
 
     t0 = time.perf_counter()
     dest = store(f, o["out"], set_metadata=meta, set_tensors=tensors, drop_keys=[k for k in drop if k not in meta],
-                 drop_tensors=drop_tensors, progress=not quiet)
+                 drop_tensors=drop_tensors, progress=not quiet, close=True)
     summary["seconds"]["write"] = round(time.perf_counter() - t0, 2)
     summary["out"] = str(dest)
     summary["layers"] = layers

@@ -271,3 +271,22 @@ def test_no_named_temporary_exists_while_a_file_is_written(tmp_path, monkeypatch
     model(tmp_path / "m.gguf")
     assert seen["temp-created"] == seen["data"] == seen["written"] == seen["synced"] == []
     assert seen["renamed"] == ["m.gguf"]
+
+
+def test_a_copy_of_a_pwri_file_without_predictors_gets_them_in_its_header(tmp_path):
+    """PowerInfer cannot load a PWRI file without fc1/fc2; pinfer trains them into its section, and a copy (-o)
+    puts them where PowerInfer looks."""
+    p = tmp_path / "m.gguf"
+    write_tiny(p, powerinfer=True)
+    f = open_gguf(p)
+    preds = {n: t for n, t in f.tensors.items() if ".fc" in n}
+    plain = {n: RawTensor(f.raw(n), t.ggml_type, t.shape) for n, t in f.tensors.items() if ".fc" not in n}
+    write_gguf(p, dict(f.metadata), plain, value_types=f.value_types, powerinfer=True)
+    update_model(p, set_tensors={n: np.array(f.raw(n)) for n in preds},
+                 set_metadata={C.SPARSE_THRESHOLD: np.float32(0.25), "pinfer.x": 1})
+    g = open_gguf(p)
+    assert all(g.part(n) == "section" for n in preds)
+    write_copy(g, tmp_path / "for_powerinfer.gguf")
+    h = open_gguf(tmp_path / "for_powerinfer.gguf")
+    assert all(h.part(n) == "header" and np.array_equal(h.raw(n), f.raw(n)) for n in preds)
+    assert h.header_metadata[C.SPARSE_THRESHOLD] == np.float32(0.25) and h.get("pinfer.x") == 1
