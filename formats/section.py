@@ -237,6 +237,9 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
             s = slots[i]
             if s.generation == 0:
                 continue
+            if not start <= s.offset <= s.offset + s.nbytes <= len(buf):
+                problems.append(f"slot {i} points outside the file ({s.offset}+{s.nbytes}, file {len(buf)})")
+                continue
             blob = locks.pin(fd, [(s.offset, s.offset + s.nbytes)])
             if blob is None or slots_raw() != raw:  # superseded and being freed, or a new commit
                 retry = True

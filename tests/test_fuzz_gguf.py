@@ -129,3 +129,20 @@ def test_mutated_files_open_or_fail_cleanly(tmp_path, which):
         signal.signal(signal.SIGALRM, old)
     assert outcomes["ok"] + outcomes["error"] == N_MUTATIONS
     assert outcomes["error"] > N_MUTATIONS // 4  # the mutations do damage
+
+
+def test_extreme_slot_fields_are_ignored_or_refused(tmp_path):
+    """Every field of both directory slots set to boundary values: the file opens (the slot is ignored) or fails
+    with a PinferError; a slot is never followed outside the file."""
+    path = base_files(tmp_path)[0]
+    data = path.read_bytes()
+    d = S.dir_offset(open_gguf(path).data_end)
+    values = [0, 1, 4096, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1, len(data), d, d + C.SECTION_DIR_SIZE]
+    for slot in S.SLOT_OFFSETS:
+        for field in range(4):
+            for v in values:
+                b = bytearray(data)
+                at = d + slot + 8 * field
+                b[at:at + 8] = struct.pack("<Q", v)
+                (tmp_path / "mut.gguf").write_bytes(bytes(b))
+                probe(tmp_path / "mut.gguf")
