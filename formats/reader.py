@@ -427,7 +427,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
                 raise PinferError(f"{path}: permission denied (cannot read it)") from None
             raise PinferError(f"{path}: cannot map it ({e.strerror})") from None
         try:
-            f = _parse(buf, path, size)
+            f = parse_file(buf, path, size)
             f._fd = fd
             f._closer = weakref.finalize(f, os.close, fd)
             if f.trailing == "section":
@@ -443,7 +443,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return f
 
 
-def _parse(buf, path: Path, size: int) -> GGUFFile:
+def parse_file(buf, path: Path, size: int) -> GGUFFile:
     """The header alone: metadata, tensor infos, where the data ends and what follows it."""
     from . import section as S
 

@@ -15,13 +15,17 @@ The protocol, one writer per model at a time:
     generation (32 bytes), fsync. Until that slot write lands, every reader sees the old section; after it, the new
     one; a torn slot fails its checksum and the other slot stays in charge.
  5. Free what no section uses any more, unless a reader still pins it: truncate the end of the file and punch holes
-    (fallocate) in dead gaps. The file holds the model plus at most about two sections.
-At every instant the file is a valid model whose pinfer content is either the old or the new. The model's bytes
-are never written. A kill leaves at most unreferenced bytes after the directory, which the next write reuses.
+    (fallocate) in dead gaps. When the new section had to go after the old one, a small one (<= 64 MiB) is then
+    written once more into the gap the old one left, so that the file ends where the model plus one section ends.
+At every instant the file is a valid model whose pinfer content is either the old or the new. A kill leaves at most
+unreferenced bytes after the directory, which the next write reuses or frees. A reader's pins last as long as its
+GGUFFile (and any view of its map) lives: store(f, close=True) closes the caller's own file first, so that the
+section it read is freed by this write rather than the next.
 
 write_copy(src, dest, ...) writes a complete new file atomically (formats/writer.atomic_output): the model's bytes
 (copied in the kernel), then a directory and one section. Where an earlier pinfer version put its tensors into the
-header (which breaks PowerInfer and llama.cpp), the copy moves them into the section.
+header (which breaks PowerInfer and llama.cpp), the copy moves them into the section; a PowerInfer file without
+predictors gets the section's predictors in its header, where PowerInfer needs them.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from . import locks
 from . import section as S
 from . import writer as W
 from .errors import PinferError
-from .reader import GGUFFile, _parse
+from .reader import GGUFFile, parse_file
 from .writer import RawTensor, checkpoint, pwrite_all, write_array
 
 
@@ -175,7 +179,7 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
     if size < 24:
         raise PinferError(f"{path}: not a GGUF file ({size} bytes is too short for a header)")
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-        f0 = _parse(buf, path, size)
+        f0 = parse_file(buf, path, size)
         if expect is not None and header_fingerprint(expect) != header_fingerprint(f0):
             raise PinferError(f"{path} was replaced by another model since it was read (its tensors differ); "
                               f"nothing was written: run the command again")
@@ -319,9 +323,7 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
 
 @contextlib.contextmanager
 def _bar(enabled: bool, total: int, label: str):
-    from .writer import _progress
-
-    with _progress(enabled and total > 256 << 20, total, label) as advance:
+    with W.progress_bar(enabled and total > 256 << 20, total, label) as advance:
         yield advance
 
 
@@ -332,10 +334,8 @@ def write_copy(src: GGUFFile, dest: str | os.PathLike, *, set_metadata: dict[str
                drop_prefixes=(), value_types: dict[str, tuple[int, int | None]] | None = None,
                progress: bool = False) -> Path:
     """Write `src` with these changes as a new file at `dest`, atomically: the model's bytes, then one section."""
-    from .writer import _same_file, atomic_output
-
     dest = Path(dest)
-    if _same_file(src.path, dest):
+    if W.same_file(src.path, dest):
         return update_model(src.path, set_metadata=set_metadata, set_tensors=set_tensors, drop_keys=drop_keys,
                             drop_tensors=drop_tensors, drop_prefixes=drop_prefixes, value_types=value_types,
                             expect=src, progress=progress)
@@ -347,7 +347,7 @@ def write_copy(src: GGUFFile, dest: str | os.PathLike, *, set_metadata: dict[str
     moved = [n for n in src.header_tensors if pinfer_only(n, src) and n not in content.hidden_tensors]
     promoted = promotable_predictors(src, content)
     src_fd = src.fileno()
-    with atomic_output(dest) as fd:
+    with W.atomic_output(dest) as fd:
         if moved or promoted or src.legacy_types:
             end = _write_header(fd, src, src_fd, content, moved, promoted, progress)
         else:
@@ -428,9 +428,7 @@ def _write_header(fd: int, src: GGUFFile, src_fd: int, content: S.Content, moved
 
 def check_writable(f: GGUFFile, out: str | os.PathLike | None = None) -> None:
     """Raise the PinferError a later store(f, out) would raise for where it writes, before a long computation."""
-    from .writer import _same_file
-
-    if out is None or _same_file(f.path, Path(out)):
+    if out is None or W.same_file(f.path, Path(out)):
         W.refuse_installed(f.path)
         if not os.access(f.path, os.W_OK):
             raise PinferError(f"cannot update {f.path} in place: permission denied; write a copy with -o OUT")
@@ -456,9 +454,7 @@ def store(f: GGUFFile, out: str | os.PathLike | None = None, *, close: bool = Fa
 
     close: the caller is done with `f`; in place, it is closed first, so that the section it read (pinned while it
     is open) can be freed by this very write instead of the next one."""
-    from .writer import _same_file
-
-    if out is None or _same_file(f.path, Path(out)):
+    if out is None or W.same_file(f.path, Path(out)):
         if close:
             f.close()
         return update_model(f.path, expect=f, **changes)

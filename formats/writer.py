@@ -228,7 +228,7 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
     with atomic_output(path) as fd:
         pwrite_all(fd, head.ljust(data_offset, b"\0"), 0)
         total = sum(d.nbytes for *_, d in items)
-        with _progress(progress and total > 256 << 20, total, f"writing {path.name}") as advance:
+        with progress_bar(progress and total > 256 << 20, total, f"writing {path.name}") as advance:
             for _, _, _, off, data in items:
                 write_array(fd, data, data_offset + off, advance)
         os.ftruncate(fd, data_offset + pos)  # the last tensor's padding
@@ -275,7 +275,7 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> 
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool, total: int, label: str):
+def progress_bar(enabled: bool, total: int, label: str):
     if not enabled:
         yield lambda n: None
         return
@@ -535,14 +535,14 @@ def rewrite_gguf(src: GGUFFile, dest: str | os.PathLike | None = None, *, set_me
     write a copy of it with them at `dest` (formats.update.write_copy). Kept for callers of the old name."""
     from .update import update_model, write_copy
 
-    if dest is None or _same_file(src.path, Path(dest)):
+    if dest is None or same_file(src.path, Path(dest)):
         return update_model(src.path, set_metadata=set_metadata, set_tensors=set_tensors, drop_keys=drop_keys,
                             drop_tensors=drop_tensors, expect=src, progress=progress)
     return write_copy(src, dest, set_metadata=set_metadata, set_tensors=set_tensors, drop_keys=drop_keys,
                       drop_tensors=drop_tensors, progress=progress)
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
