@@ -436,8 +436,9 @@ def _fsync_dir(d: Path) -> None:
 def atomic_output(dest: str | os.PathLike, *, lock: bool = True) -> Iterator[int]:
     """Yield a descriptor of a new file that replaces `dest` (with dest's permissions) only when the block succeeds.
 
-    Existing models are replaced under their writer lock (formats/locks.py), so an in-place update of dest is never
-    lost by racing this rename. Stale temporaries of dest are removed first."""
+    An existing dest is locked (its writer lock, formats/locks.py) for the whole write, so an in-place update of dest
+    is never lost by racing the rename: it waits, then finds the new file. Stale temporaries of dest are removed
+    first."""
     from . import locks
 
     dest = Path(dest)
@@ -449,12 +450,18 @@ def atomic_output(dest: str | os.PathLike, *, lock: bool = True) -> Iterator[int
         refuse_installed(dest)
     remove_stale_temporaries(dest)
     with terminate_as_interrupt():
+        lock_fd = dir_fd = -1
+        if lock and dest.exists():  # in-place writers of dest wait, then find the new file and merge into it
+            with contextlib.suppress(OSError):
+                lock_fd = os.open(dest, os.O_RDWR | os.O_CLOEXEC)
+                locks.lock_writer(lock_fd)
         try:
             fd, tmp = _open_temp(dest)
         except OSError as e:
+            if lock_fd >= 0:
+                os.close(lock_fd)
             raise os_error(e, dest, "write") from None
         linked: Path | None = tmp
-        lock_fd = dir_fd = -1
         try:
             checkpoint("temp-created")
             yield fd
@@ -469,10 +476,6 @@ def atomic_output(dest: str | os.PathLike, *, lock: bool = True) -> Iterator[int
                 linked = dest.parent / temp_name(dest)
                 os.link(f"/proc/self/fd/{fd}", linked.name, dst_dir_fd=dir_fd, follow_symlinks=True)
                 checkpoint("linked")
-            if lock and dest.exists():
-                with contextlib.suppress(OSError):
-                    lock_fd = os.open(dest, os.O_RDWR | os.O_CLOEXEC)
-                    locks.lock_writer(lock_fd)
             os.replace(linked.name, dest.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             linked = None
             checkpoint("renamed")

@@ -290,3 +290,33 @@ def test_a_copy_of_a_pwri_file_without_predictors_gets_them_in_its_header(tmp_pa
     h = open_gguf(tmp_path / "for_powerinfer.gguf")
     assert all(h.part(n) == "header" and np.array_equal(h.raw(n), f.raw(n)) for n in preds)
     assert h.header_metadata[C.SPARSE_THRESHOLD] == np.float32(0.25) and h.get("pinfer.x") == 1
+
+
+def test_an_update_waits_for_a_whole_file_write_and_lands_in_the_new_file(tmp_path, monkeypatch):
+    """write_gguf/write_copy over an existing model hold its writer lock from start to rename: an in-place update
+    meanwhile waits, then finds the new file and stores into it (instead of into the replaced one, and lost)."""
+    import threading
+
+    from formats import writer
+
+    p = model(tmp_path / "m.gguf")
+    started, go = threading.Event(), threading.Event()
+
+    def pause(point):
+        if point == "written" and threading.current_thread().name == "rewriter":
+            started.set()
+            assert go.wait(30)
+
+    monkeypatch.setattr(writer, "hook", pause)
+    rewrite = threading.Thread(name="rewriter", target=lambda: model(p, n=128))
+    rewrite.start()
+    assert started.wait(30)
+    update = threading.Thread(target=lambda: update_model(p, set_metadata={"pinfer.kept": 1}))
+    update.start()
+    update.join(0.5)
+    assert update.is_alive()  # waiting for the lock
+    go.set()
+    rewrite.join(30)
+    update.join(30)
+    f = open_gguf(p)
+    assert f.info("token_embd.weight").shape == (128, 32) and f.get("pinfer.kept") == 1
