@@ -72,17 +72,6 @@ def lock_writer(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX)
 
 
-def writer_busy(fd: int) -> bool:
-    """Whether another descriptor holds the writer lock now (to tell a user why a write waits)."""
-    if not ofd_available(fd):
-        return False
-    try:
-        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(_F_WRLCK, WRITER_LOCK, 1))
-    except OSError:
-        return False
-    return struct.unpack("hhqqi4x", got)[0] != _F_UNLCK
-
-
 def reserve(fd: int, ranges: list[tuple[int, int]]) -> bool:
     """Exclusive locks on the pin space of these byte ranges: True when no reader pins any of them (they may then be
     overwritten or freed until release()). False, holding nothing, otherwise or without OFD locks."""

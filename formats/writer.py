@@ -69,12 +69,6 @@ class RawTensor:
     shape: tuple[int, ...]
 
 
-def raw_tensor(f: GGUFFile, name: str) -> RawTensor:
-    """A zero-copy RawTensor for an existing tensor (used to carry tensors through a rewrite)."""
-    t = f.info(name)
-    return RawTensor(f.mm[t.offset:t.offset + t.nbytes], t.ggml_type, t.shape)
-
-
 def as_tensor(name: str, t: np.ndarray | RawTensor) -> tuple[np.ndarray, int, tuple[int, ...]]:
     """(contiguous data, ggml type in gguf's numbering, ggml ne) of a tensor to write; ValueError if inconsistent."""
     if isinstance(t, RawTensor):
