@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+
+import numpy as np
 
 from . import constants as C
 from .errors import PinferError
@@ -62,8 +65,8 @@ def detect_ffn_activation(f: GGUFFile) -> str:
     ProSparse. Otherwise it is the standard SwiGLU.
     """
     explicit = f.get(C.FFN_ACTIVATION)
-    if explicit:
-        return str(explicit)
+    if isinstance(explicit, str) and explicit:
+        return explicit
     if f.architecture == "bamboo":
         return "drelu"
     if f.is_powerinfer or f.has(C.tensor(C.PRED_FC1, 0)):
@@ -82,47 +85,58 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
         raise PinferError(f"{f.path}: architecture '{arch}' is not supported (supported: "
                           f"{', '.join(SUPPORTED_ARCHS)})")
 
-    def need(template: str):
-        v = f.arch_get(template)
+    def num(template: str, default=None, kind=int):
+        """A positive number from the metadata (a per-layer array gives its first value); PinferError otherwise."""
+        key = template.format(arch=arch)
+        v = f.get(key)
         if v is None:
-            raise PinferError(f"{f.path}: missing metadata '{template.format(arch=arch)}'; the file is incomplete")
-        return v
+            if default is None:
+                raise PinferError(f"{f.path}: missing metadata '{key}'; the file is incomplete")
+            return default
+        if isinstance(v, np.ndarray) and v.size and v.dtype.kind in "uif":
+            v = v.reshape(-1)[0]
+        if isinstance(v, (bool, str, list, np.ndarray, np.bool_)):
+            raise PinferError(f"{f.path}: metadata '{key}' is {type(v).__name__}, expected a number; the file is "
+                              f"corrupt")
+        x = kind(v)
+        if not (0 < x < 2**40) or (kind is float and not math.isfinite(x)):
+            raise PinferError(f"{f.path}: metadata '{key}' is {v}, expected a positive number; the file is corrupt")
+        return x
 
-    n_embd = int(need(C.EMBEDDING_LENGTH))
-    n_head = int(need(C.HEAD_COUNT))
-    n_head_kv = f.arch_get(C.HEAD_COUNT_KV, n_head)
-    n_head_kv = int(n_head_kv if not hasattr(n_head_kv, "__len__") else n_head_kv[0])
-    n_ff = f.arch_get(C.FEED_FORWARD_LENGTH)
-    if n_ff is None and f.has(C.tensor(C.FFN_UP, 0)):
+    n_embd = num(C.EMBEDDING_LENGTH)
+    n_head = num(C.HEAD_COUNT)
+    n_head_kv = num(C.HEAD_COUNT_KV, n_head)
+    if f.arch_get(C.FEED_FORWARD_LENGTH) is None and f.has(C.tensor(C.FFN_UP, 0)):
         n_ff = f.info(C.tensor(C.FFN_UP, 0)).shape[0]
-    if n_ff is None:
-        raise PinferError(f"{f.path}: missing metadata '{arch}.feed_forward_length'")
-    n_ff = int(n_ff if not hasattr(n_ff, "__len__") else n_ff[0])
-    vocab = f.arch_get(C.VOCAB_SIZE)
-    if vocab is None:
+    else:
+        n_ff = num(C.FEED_FORWARD_LENGTH)
+    if f.arch_get(C.VOCAB_SIZE) is None:
         tokens = f.get(C.TOKENIZER_TOKENS)
-        vocab = len(tokens) if tokens is not None else f.info(C.TOKEN_EMBD).shape[0]
-    head_dim = int(f.arch_get(C.KEY_LENGTH, n_embd // n_head))
+        vocab = len(tokens) if isinstance(tokens, list) else f.info(C.TOKEN_EMBD).shape[0]
+    else:
+        vocab = num(C.VOCAB_SIZE)
+    head_dim = num(C.KEY_LENGTH, max(n_embd // n_head, 1))
 
     rope_scale = 1.0
     scaling = f.arch_get(C.ROPE_SCALING_TYPE)
     if scaling not in (None, "none", "linear"):
         raise PinferError(f"{f.path}: rope scaling type '{scaling}' is not supported (only linear)")
     if scaling == "linear" or scaling is None:
-        rope_scale = float(f.arch_get(C.ROPE_SCALING_FACTOR, f.arch_get(C.ROPE_SCALE_LINEAR, 1.0)) or 1.0)
+        factor = C.ROPE_SCALING_FACTOR if f.arch_get(C.ROPE_SCALING_FACTOR) is not None else C.ROPE_SCALE_LINEAR
+        rope_scale = num(factor, 1.0, float)
 
     act = ffn_act or detect_ffn_activation(f)
     return ModelConfig(
         arch=arch,
-        n_layer=int(need(C.BLOCK_COUNT)),
+        n_layer=num(C.BLOCK_COUNT),
         n_embd=n_embd,
-        n_ff=n_ff,
+        n_ff=int(n_ff),
         n_head=n_head,
         n_head_kv=n_head_kv,
         vocab_size=int(vocab),
-        n_ctx_train=int(f.arch_get(C.CONTEXT_LENGTH, 4096)),
-        norm_eps=float(f.arch_get(C.RMS_EPS, 1e-5)),
-        rope_base=float(f.arch_get(C.ROPE_FREQ_BASE, 10000.0)),
+        n_ctx_train=num(C.CONTEXT_LENGTH, 4096),
+        norm_eps=num(C.RMS_EPS, 1e-5, float),
+        rope_base=num(C.ROPE_FREQ_BASE, 10000.0, float),
         rope_scale=rope_scale,
         ffn_act=act,
         tied_embeddings=not f.has(C.OUTPUT),

@@ -10,6 +10,30 @@ PWRI_MAGIC = b"PWRI"  # PowerInfer: a GGUF v3 file whose first four bytes are ov
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
+# --- ggml type ids ------------------------------------------------------------------------------------------------
+# Tensor type ids of PowerInfer's ggml (its ggml.h: enum ggml_type, GGML_TYPE_COUNT = 19) -> the same type in the
+# `gguf` package's numbering (today's ggml). They agree up to Q8_K; PowerInfer then has I8/I16/I32 = 16/17/18, which
+# today's ggml numbers 24/25/26 (its 16-18 are IQ2_XXS/IQ2_XS/IQ3_XXS). 4 and 5 (Q4_2/Q4_3, removed) and every id >= 19
+# mean nothing to PowerInfer: its loader divides by their block size, which is 0 (SIGFPE). Files with the PWRI magic
+# (models and .gpuidx) use these ids; everything else, pinfer's own section included, uses the gguf package's.
+POWERINFER_TYPE_IDS = {0: 0, 1: 1, 2: 2, 3: 3, 6: 6, 7: 7, 8: 8, 9: 9, 10: 10, 11: 11, 12: 12, 13: 13, 14: 14, 15: 15,
+                       16: 24, 17: 25, 18: 26}
+POWERINFER_TYPE_COUNT = 19
+
+# --- pinfer's section ---------------------------------------------------------------------------------------------
+# Everything pinfer adds to an existing model lives after the model's tensor data, where no other loader looks (see
+# formats/section.py for the layout): a directory block at the first page boundary after the data, then sections,
+# each a GGUF v3 blob of its own (standard type ids). The model's header and data are never changed in place.
+SECTION_PAGE = 4096  # directory and sections start on page boundaries
+SECTION_DIR_MAGIC = b"PINFERSD"
+SECTION_DIR_VERSION = 1
+SECTION_DIR_SIZE = SECTION_PAGE
+SECTION_VERSION = "pinfer.section.version"  # u32 (1)
+SECTION_HIDDEN_KEYS = "pinfer.section.hidden_keys"  # str array: header keys the section deletes
+SECTION_HIDDEN_TENSORS = "pinfer.section.hidden_tensors"  # str array: header tensors the section deletes
+SECTION_TENSOR_OFFSETS = "pinfer.section.tensor_offsets"  # u64 array [n_tensors]: absolute file offset of each
+SECTION_KEYS = (SECTION_VERSION, SECTION_HIDDEN_KEYS, SECTION_HIDDEN_TENSORS, SECTION_TENSOR_OFFSETS)
+
 # --- general metadata --------------------------------------------------------------------------------------------
 ARCHITECTURE = "general.architecture"
 NAME = "general.name"
@@ -82,6 +106,11 @@ GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"
 SPLIT_VRAM_CAPACITY = "split.vram_capacity"  # u64 bytes the placement was solved for
 GPUIDX_SUFFIX = ".generated.gpuidx"
 ACTIVATION_FILE = "activation_{bid}.pt"
+
+# Tensors only pinfer reads. In a model's header they break other loaders (PowerInfer: "basic_string: construction
+# from null is not valid"; llama.cpp: "wrong number of tensors"), so pinfer stores them in its section. Earlier pinfer
+# versions put them in headers: such files are still read; a copy written with -o moves them to the section.
+PINFER_ONLY_TENSORS = ("blk.{bid}.act_counts", "blk.{bid}.act_peak", "blk.{bid}.gpu_idx", "blk.{bid}.gpu_bucket")
 
 # --- pinfer additions ---------------------------------------------------------------------------------------------
 # The FFN activation is decided from the file (see config.py); this key lets a file state it outright.

@@ -7,9 +7,19 @@ what is wrong and what to do. The CLIs print it without a traceback (unless --ve
 import sys
 import traceback
 
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
+
 
 class PinferError(Exception):
-    """A problem with the user's input, reported as one line."""
+    """A problem with the user's input, reported as one line (control characters from a file's bytes, such as a
+    newline in a corrupt tensor name, are escaped)."""
+
+    def __init__(self, message: object = "", *args):
+        super().__init__(str(message).translate(_CONTROL), *args)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception while a file is being written so that it cleans up as Ctrl-C does."""
 
 
 def report(exc: BaseException, verbose: bool = False, prog: str = "pinfer") -> int:
@@ -19,6 +29,9 @@ def report(exc: BaseException, verbose: bool = False, prog: str = "pinfer") -> i
     if isinstance(exc, PinferError):
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
+    if isinstance(exc, Terminated):
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 143
     if isinstance(exc, KeyboardInterrupt):
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

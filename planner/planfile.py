@@ -6,7 +6,9 @@ In the model file a plan is (formats/constants.py):
 - pinfer.plan.* metadata: GPUs, budget, context size, objective, predicted tokens/s, solver status and gap, the
   device of every dense part, and a fingerprint of the model's tensors. A plan whose fingerprint differs from the
   file's own tensors was made for another model and is refused.
-Writes go through formats.writer (temporary file, fsync, rename): an interrupted run leaves the original as it was.
+All of it goes into pinfer's section of the model (formats/section.py), where PowerInfer and llama.cpp do not look:
+written in place in seconds whatever the model's size (formats/update.py), or as a copy with -o. PowerInfer's own
+engine reads a placement from `<model>.generated.gpuidx`, which export_gpuidx writes exactly as PowerInfer does.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import numpy as np
 
 from formats import constants as C
 from formats.errors import PinferError
+from formats.gpuidx import gpuidx_path, write_gpuidx
 from formats.reader import GGUFFile, open_gguf
-from formats.writer import rewrite_gguf, write_gguf
+from formats.update import store
 
 from .costmodel import evaluate
 from .memory import model_tensors, tensor_table
@@ -91,10 +94,10 @@ def _plan_tensors(masks: list[np.ndarray], buckets: list[np.ndarray]) -> dict[st
 
 def write_plan(f: GGUFFile, masks: list[np.ndarray], buckets: list[np.ndarray], meta: dict,
                dest: str | os.PathLike | None = None, progress: bool = True) -> Path:
-    """Rewrite `f` (or write a copy at `dest`) with the plan's tensors and keys, replacing any earlier plan."""
-    old_keys = [k for k in f.metadata if k.startswith(C.PLAN_PREFIX) and k not in meta]
-    return rewrite_gguf(f, dest, set_metadata=meta, set_tensors=_plan_tensors(masks, buckets), drop_keys=old_keys,
-                        progress=progress)
+    """Store the plan's tensors and keys into `f` in place (or into a copy at `dest`), replacing any earlier plan.
+    In place, `f` is closed first (its section can then be freed by this write): the caller is done with it."""
+    return store(f, dest, set_metadata=meta, set_tensors=_plan_tensors(masks, buckets),
+                 drop_prefixes=(C.PLAN_PREFIX,), progress=progress, close=True)
 
 
 def read_plan(f: GGUFFile, model: GGUFFile | None = None) -> StoredPlan:
@@ -159,17 +162,15 @@ def copy_plan(src: str | os.PathLike, model: GGUFFile, dest: str | os.PathLike |
     return write_plan(model, stored.masks, stored.buckets, meta, dest)
 
 
-def gpuidx_path(model_path: str | os.PathLike) -> Path:
-    return Path(str(model_path) + C.GPUIDX_SUFFIX)
-
-
 def export_gpuidx(path: str | os.PathLike, masks: list[np.ndarray], buckets: list[np.ndarray], vram_capacity: int,
-                  fp: str) -> Path:
-    """PowerInfer's <model>.generated.gpuidx: a PWRI GGUF with two I32 tensors per layer, gpu_idx then gpu_bucket.
+                  fp: str | None = None) -> Path:
+    """PowerInfer's <model>.generated.gpuidx (formats/gpuidx.py), exactly as its exporter writes it.
 
-    split.vram_capacity holds the bytes the plan's GPU neurons need (PowerInfer refuses the file when less VRAM is
-    left after its own dense offload). The fingerprint rides along as metadata PowerInfer ignores.
-    """
-    meta = {C.ARCHITECTURE: C.GPU_INDEX_ARCH, C.GPU_INDEX_BLOCK_COUNT: np.uint32(len(masks)),
-            C.SPLIT_VRAM_CAPACITY: np.uint64(vram_capacity), C.PLAN_FINGERPRINT: fp}
-    return write_gguf(path, meta, _plan_tensors(masks, buckets), powerinfer=True)
+    split.vram_capacity holds the bytes the plan's GPU neurons need (PowerInfer ignores the file when less VRAM is
+    left after its own dense offload). The file has room for nothing else, so it carries no fingerprint: a .gpuidx is
+    checked against a model by its layer and neuron counts."""
+    return write_gpuidx(path, masks, buckets, vram_capacity)
+
+
+__all__ = ["StoredPlan", "copy_plan", "export_gpuidx", "fingerprint", "gpuidx_path", "plan_metadata", "read_plan",
+           "write_plan"]

@@ -6,8 +6,9 @@
     pi-profile model.gguf --import-activations ReluLLaMA-7B/activation --import-predictors ReluLLaMA-7B-Predictor
     pi-profile model.gguf --export-activations out/activation
 
-Everything is written in one atomic rewrite at the end (temporary file, fsync, rename); any error leaves the model
-file untouched.
+Everything is stored at the end, in one step: into the model itself (pinfer's section, formats/update.py: seconds
+whatever the model's size, PowerInfer and llama.cpp load the file as before), or into a new file with -o. Whether
+that write can happen is checked before any work; an error or a kill leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     from formats import constants as C
     from formats.config import config_from_gguf
     from formats.reader import open_gguf
-    from formats.writer import rewrite_gguf
+    from formats.update import check_writable, store
 
     from . import activity, corpus, powerinfer_dirs, predictor_training, profile_store
     from .engine import load_model, resolve_model_path
@@ -110,6 +111,8 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr))
     path = resolve_model_path(model)
     f = open_gguf(path)
+    if not o["export_activations"]:
+        check_writable(f, o["out"])  # before minutes of profiling, not after
     cfg = config_from_gguf(f, ffn_act=o["ffn_act"])
     profile_store.check_ffn_tensors(f, cfg)
     if o["threads"]:
@@ -212,10 +215,9 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
                 say("pi-profile: warning: the file's predictors were kept; they were trained for the CATS "
                     "thresholds of an earlier run (retrain with --train-predictors)")
 
-    dest = Path(o["out"]) if o["out"] else f.path
     t0 = time.perf_counter()
-    rewrite_gguf(f, dest, set_metadata=meta, set_tensors=tensors, drop_keys=[k for k in drop if k not in meta],
-                 drop_tensors=drop_tensors, progress=not quiet)
+    dest = store(f, o["out"], set_metadata=meta, set_tensors=tensors, drop_keys=[k for k in drop if k not in meta],
+                 drop_tensors=drop_tensors, progress=not quiet, close=True)
     summary["seconds"]["write"] = round(time.perf_counter() - t0, 2)
     summary["out"] = str(dest)
     summary["layers"] = layers
@@ -283,7 +285,7 @@ def run(
                                   "statistics as PowerInfer activation_N.pt files into this directory.")] = None,
     import_predictors: Annotated[Path | None, typer.Option("--import-predictors", help="PowerInfer predictor "
                                  "directory (model_N.pt) to store instead of training.")] = None,
-    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write a new file instead of rewriting MODEL.")]
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write a new file instead of storing into MODEL.")]
     = None,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
     ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
