@@ -16,7 +16,8 @@ not exact frequencies, so this generator keeps the mechanism and drops the calib
 - The predictor of each layer has a "bias unit": fc1's first row reads u, which is constant, so fc2's first column
   gives every neuron a fixed score offset; the other hidden units add noise. Offsets are set so that neuron i is
   predicted active on about f_i of tokens: the predicted sets follow the same power law, as trained predictors do.
-- blk.N.act_counts holds the planted f_i (x tokens), so pi-plan plans the file directly.
+- blk.N.act_counts holds the planted f_i (x tokens), in pinfer's section after the model's data (formats/section.py),
+  so pi-plan plans the file directly and PowerInfer's engine still loads it.
 The file is a PowerInfer file (PWRI magic, ffn_down_t, fc1/fc2) of F16, F32, Q4_0 or Q8_0 weights (predictors F16).
 """
 
@@ -38,6 +39,7 @@ from formats import constants as C
 from formats.config import ModelConfig
 from formats.errors import PinferError, report
 from formats.model_writer import byte_vocab, llama_metadata
+from formats.update import update_model
 from formats.writer import RawTensor, write_gguf
 
 from .generator import power_law_frequencies
@@ -197,15 +199,15 @@ def generate_fast(path: str | os.PathLike, shape: str = "tiny", qtype: str = "f1
             t(C.FFN_GATE): gate_pools[thetas[i].tobytes()].tensor(n_ff), t(C.FFN_UP): up_pool.tensor(n_ff),
             t(C.FFN_DOWN_T): down_pool.tensor(n_ff), t(C.PRED_FC1): fc1_l[spread[i]], t(C.PRED_FC2): fc2_t,
         })
-        if stats:
-            tensors[t(C.ACT_COUNTS)] = counts
     meta = llama_metadata(cfg) | byte_vocab(vocab) | {
         C.FFN_ACTIVATION: "relu", C.SPARSE_THRESHOLD: np.float32(0.0),
         C.FILE_TYPE: np.uint32({T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q8_0: 7}[qt])}
-    if stats:
-        meta |= {C.ACT_TOKENS: np.uint64(TOKENS), C.ACT_CORPUS: "planted (synth.fast)", C.ACT_RULE: "relu>0"}
     say(f"writing {path}")
     write_gguf(path, meta, tensors, powerinfer=True, progress=True)
+    if stats:  # in pinfer's section after the model's data, where PowerInfer's loader does not look
+        update_model(path, set_tensors={C.tensor(C.ACT_COUNTS, i): counts for i in range(L)},
+                     set_metadata={C.ACT_TOKENS: np.uint64(TOKENS), C.ACT_CORPUS: "planted (synth.fast)",
+                                   C.ACT_RULE: "relu>0"})
     size = Path(path).stat().st_size
     return {"path": str(path), "shape": shape, "type": qtype, "bytes": size, "seconds": time.perf_counter() - t0,
             "predictor_rank": r, "mean_frequency": float(freq.mean())}

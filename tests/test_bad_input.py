@@ -149,14 +149,20 @@ def test_unreadable_model_file(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     path.chmod(0)
     if os.geteuid() == 0:  # root reads it anyway: refuse it as the kernel would refuse another user
-        real_open = builtins.open
+        real_open, real_os_open = builtins.open, os.open
 
         def denied(file, *a, **kw):
             if str(file) == str(path):
                 raise PermissionError(13, "Permission denied", str(file))
             return real_open(file, *a, **kw)
 
+        def os_denied(file, *a, **kw):
+            if str(file) == str(path):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_os_open(file, *a, **kw)
+
         monkeypatch.setattr(builtins, "open", denied)
+        monkeypatch.setattr(os, "open", os_denied)
     try:
         assert_one_line_error(*run(path, "-p", "hi"), "m.gguf", "permission denied")
     finally:
