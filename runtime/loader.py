@@ -84,7 +84,9 @@ def ffn_rows(f: GGUFFile, cfg: ModelConfig, i: int, sparse: bool, load: Load) ->
     else:
         w = qweight(f, t(C.FFN_DOWN))
         down = Linear([w])
-        if sparse:
+        if sparse and f.has(t(C.FFN_DOWN_T)):  # stored beside ffn_down by `pi-profile --store-down-t`
+            down_t = qweight(f, t(C.FFN_DOWN_T))
+        elif sparse:
             t0 = time.perf_counter()
             down_t = transposed(w)
             load.transposed_s += time.perf_counter() - t0

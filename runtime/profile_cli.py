@@ -92,6 +92,8 @@ def _check_options(o: dict) -> None:
         raise PinferError(f"--ctx must be at least 2, got {o['ctx']}")
     if o["tokens"] is not None and o["tokens"] < 1:
         raise PinferError(f"--tokens must be positive, got {o['tokens']}")
+    if o["store_down_t"] and o["export_activations"]:
+        raise PinferError("--store-down-t writes into the model; --export-activations only reads it: run them apart")
 
 
 def run_profile(model: str, o: dict, quiet: bool) -> dict:
@@ -120,6 +122,15 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     summary: dict = {"model": str(path), "out": None, "n_layer": cfg.n_layer, "n_ff": cfg.n_ff,
                      "ffn_act": cfg.ffn_act, "seconds": {}}
 
+    if o["store_down_t"] and not o["export_activations"]:
+        t0 = time.perf_counter()
+        with _Bar(quiet) as bar:
+            down = profile_store.transposed_down(f, cfg, progress=bar.callback("transposing ffn_down"))
+        summary["seconds"]["store_down_t"] = round(time.perf_counter() - t0, 2)
+        summary["down_t_bytes"] = int(sum(t.data.nbytes for t in down.values()))
+    else:
+        down = {}
+
     if o["export_activations"]:
         counts, tokens = profile_store.stored_counts(f, cfg)
         powerinfer_dirs.export_activations(counts, Path(o["export_activations"]))
@@ -128,7 +139,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
         return summary
 
     meta: dict = {}
-    tensors: dict = {}
+    tensors: dict = dict(down)
     drop: list = []
     drop_tensors: list = []
     layers: list[dict] = [{"layer": i} for i in range(cfg.n_layer)]
@@ -285,6 +296,9 @@ def run(
                                   "statistics as PowerInfer activation_N.pt files into this directory.")] = None,
     import_predictors: Annotated[Path | None, typer.Option("--import-predictors", help="PowerInfer predictor "
                                  "directory (model_N.pt) to store instead of training.")] = None,
+    store_down_t: Annotated[bool, typer.Option("--store-down-t", help="Also store ffn_down transposed (neuron-major "
+                            "rows, in the file's encoding) in the model, so that sparse runs of a file that has "
+                            "only ffn_down (llama.cpp's layout) need not transpose it at every load.")] = False,
     out: Annotated[Path | None, typer.Option("-o", "--out", help="Write a new file instead of storing into MODEL.")]
     = None,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
@@ -300,7 +314,7 @@ def run(
                     sparsity=sparsity, recall=recall, ladder=parse_ladder(ladder), max_fraction=max_fraction,
                     steps=steps, sample_tokens=sample_tokens, import_activations=import_activations,
                     export_activations=export_activations, import_predictors=import_predictors, out=out,
-                    threads=threads, ffn_act=ffn_act, seed=seed)
+                    threads=threads, ffn_act=ffn_act, seed=seed, store_down_t=store_down_t)
         summary = run_profile(model, opts, quiet=as_json)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-profile")) from None

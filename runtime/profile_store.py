@@ -78,3 +78,25 @@ def check_ffn_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
             if not f.has(C.tensor(t, i)):
                 raise PinferError(f"{f.path}: layer {i} has no {C.tensor(t, i)}; pi-profile understands only "
                                   f"llama-family FFNs (gate, up, down: SwiGLU, ReGLU, dReLU)")
+
+
+def transposed_down(f: GGUFFile, cfg: ModelConfig, progress=None) -> dict:
+    """ffn_down of every layer transposed to PowerInfer's neuron-major ffn_down_t, in the file's own encoding, as
+    tensors to store beside ffn_down (`pi-profile --store-down-t`): sparse runs then read neuron rows in place
+    instead of transposing ffn_down at every load. Exact for F32/F16/BF16; block types are requantised, because a
+    neuron's column of ffn_down shares its blocks with 31 other neurons (benchmarks/down_t_cost.py measures what
+    that costs)."""
+    from formats.writer import RawTensor
+
+    from .loader import transposed
+    from .weights import qweight
+
+    if cfg.down_transposed:
+        raise PinferError(f"{f.path}: the model already stores ffn_down_t (PowerInfer's layout); nothing to do")
+    out = {}
+    for i in range(cfg.n_layer):
+        w = transposed(qweight(f, C.tensor(C.FFN_DOWN, i)))
+        out[C.tensor(C.FFN_DOWN_T, i)] = RawTensor(w.data.numpy(), int(w.qtype), (w.rows, w.cols))
+        if progress:
+            progress(i + 1, cfg.n_layer)
+    return out

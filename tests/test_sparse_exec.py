@@ -152,3 +152,27 @@ def test_outlier_neurons_are_always_computed(tmp_path):
     m.forward_logits([5, 6, 7])
     st = m.transformer.blocks[0].ffn.stats
     assert st.active == 2 * st.tokens  # exactly the two outliers, for every token
+
+
+def test_stored_down_t_is_used(tmp_path):
+    """pi-profile --store-down-t puts ffn_down_t beside ffn_down (in pinfer's section): sparse runs read it instead of
+    transposing ffn_down at load, with the same logits, and a dense run still reads ffn_down."""
+    from runtime.profile_cli import app
+
+    cfg = tiny_config(ffn_act="relu")
+    path = tmp_path / "m.gguf"
+    write_llama(path, cfg, random_weights(cfg, seed=8, scale=0.2))
+    before = load_model(path, ffn_mode="oracle")
+    assert any("transposed in memory" in n for n in before.notices)
+    ids = list(range(4, 90, 6))
+    want = before.forward_logits(ids)
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, [str(path), "--store-down-t", "--tokens", "200", "--ctx", "64"])
+    assert r.exit_code == 0, r.output
+    after = load_model(path, ffn_mode="oracle")
+    assert not any("transposed in memory" in n for n in after.notices)
+    assert after.file.part(C.tensor(C.FFN_DOWN_T, 0)) == "section"
+    assert after.transformer.blocks[0].ffn.w.down_t.name == C.tensor(C.FFN_DOWN_T, 0)
+    np.testing.assert_allclose(after.forward_logits(ids), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert load_model(path).transformer.blocks[0].ffn.down is not None  # dense: ffn_down as before
