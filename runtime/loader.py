@@ -67,10 +67,12 @@ FFN_MODES = ("dense", "sparse", "oracle")
 
 
 def transposed(w: QWeight) -> QWeight:
-    """W^T in w's own encoding, in anonymous memory: ffn_down [d, n_ff] -> neuron-major [n_ff, d] rows, for sparse
-    mode over a file without ffn_down_t. Exact for F32/F16/BF16; quantised types are requantised (blocks now run
-    along d), which README "ffn_down_t" measures."""
-    return quantize_like(qops.rows(w, 0, w.rows).T.contiguous(), w.qtype, w.name.replace("ffn_down", "ffn_down_t"))
+    """W^T in anonymous memory: ffn_down [d, n_ff] -> neuron-major [n_ff, d] rows, for sparse mode over a file without
+    ffn_down_t. Float types stay as they are (exact). Block types must be requantised, since a neuron's column
+    shares its blocks with 31 others; they become Q8_0: requantising SmolLM2's Q4_1 down projection as Q4_1 cost
+    +6.1% held-out perplexity, as Q8_0 +0.02% (benchmarks/down_t_cost.py), for 1.7x the bytes of those rows."""
+    target = w.qtype if w.qtype in (T.F32, T.F16, T.BF16, T.Q8_0) else T.Q8_0
+    return quantize_like(qops.rows(w, 0, w.rows).T.contiguous(), target, w.name.replace("ffn_down", "ffn_down_t"))
 
 
 def ffn_rows(f: GGUFFile, cfg: ModelConfig, i: int, sparse: bool, load: Load) -> tuple[FFNRows, Linear | None]:

@@ -83,9 +83,8 @@ def check_ffn_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
 def transposed_down(f: GGUFFile, cfg: ModelConfig, progress=None) -> dict:
     """ffn_down of every layer transposed to PowerInfer's neuron-major ffn_down_t, in the file's own encoding, as
     tensors to store beside ffn_down (`pi-profile --store-down-t`): sparse runs then read neuron rows in place
-    instead of transposing ffn_down at every load. Exact for F32/F16/BF16; block types are requantised, because a
-    neuron's column of ffn_down shares its blocks with 31 other neurons (benchmarks/down_t_cost.py measures what
-    that costs)."""
+    instead of transposing ffn_down at every load. Exact for F32/F16/BF16; block types are requantised as Q8_0,
+    because a neuron's column of ffn_down shares its blocks with 31 other neurons (see runtime.loader.transposed)."""
     from formats.writer import RawTensor
 
     from .loader import transposed
