@@ -23,7 +23,7 @@ import numpy as np
 
 from formats import constants as C
 from formats.errors import PinferError
-from formats.reader import GGUFFile, open_gguf
+from formats.reader import GGUFFile
 
 PLACEMENTS = ("plan", "layers", "powerinfer", "cpu", "gpu")
 GIB = 1 << 30
@@ -220,35 +220,35 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name
 
 def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say) -> Placement | None:
     """PowerInfer's <model>.generated.gpuidx: its FFN placement, with the dense parts PowerInfer's way."""
+    from formats.gpuidx import gpuidx_path, read_gpuidx
     from planner.baselines import powerinfer_plan
     from planner.costmodel import evaluate
     from planner.plan import Plan
-    from planner.planfile import gpuidx_path, read_plan
 
     path = gpuidx_path(f.path)
     if not path.exists():
         return None
+    n_layer = int(f.arch_get(C.BLOCK_COUNT))
     try:
-        stored = read_plan(open_gguf(path), f)
+        idx = read_gpuidx(path, n_layer=n_layer, n_ff=f.info(C.tensor(C.FFN_UP, 0)).shape[0])
     except PinferError as e:
         say(f"ignoring {path.name}: {e}")
         return None
-    cap = stored.meta.get(C.SPLIT_VRAM_CAPACITY)
-    if cap is not None and int(cap) > budget:
-        say(f"{path.name} was made for {int(cap) / GIB:.2f} GiB of VRAM, {budget / GIB:.2f} GiB are available: "
-            f"planning again")
+    if idx.vram_capacity > budget:
+        say(f"{path.name} was made for {idx.vram_capacity / GIB:.2f} GiB of VRAM, {budget / GIB:.2f} GiB are "
+            f"available: planning again")
         return None
     p = _problem(f, gpu, budget, ctx, threads, say)
     dense = powerinfer_plan(p)
-    n_gpu = np.array([len(b) for b in stored.buckets])
-    ffn_gpu = (n_gpu > 0).astype(np.int64)
-    plan = Plan("gpuidx", dense.attn if dense else np.zeros(len(n_gpu)), dense.pred if dense else np.zeros(len(n_gpu)),
-                ffn_gpu, n_gpu, dense.output if dense else 0)
+    zeros = np.zeros(n_layer, np.int64)
+    n_gpu = np.array([len(b) for b in idx.gpu_bucket])
+    plan = Plan("gpuidx", dense.attn if dense else zeros, dense.pred if dense else zeros, (n_gpu > 0).astype(np.int64),
+                n_gpu, dense.output if dense else 0)
     ev = evaluate(p, plan)
     if not ev.fits:
         say(f"{path.name} does not fit {gpu.name} with its dense parts ({'; '.join(ev.problems)}): planning again")
         return None
-    return Placement("gpuidx", plan.attn > 0, plan.pred > 0, [np.asarray(b, np.int64) for b in stored.buckets],
+    return Placement("gpuidx", plan.attn > 0, plan.pred > 0, [np.asarray(b, np.int64) for b in idx.gpu_bucket],
                      bool(plan.output), f"PowerInfer's {path.name}", ev.tokens_per_s)
 
 

@@ -1,0 +1,111 @@
+"""Where pi-run's parts run with a GPU (runtime/placement.py): the plan in the file, PowerInfer's .gpuidx, or a new
+plan, each refused with a one-line reason when it was made for another model, GPU or more memory."""
+
+import numpy as np
+import pytest
+
+from formats import constants as C
+from formats.gpuidx import gpuidx_path, write_gpuidx
+from formats.model_writer import write_llama
+from formats.reader import open_gguf
+from formats.update import update_model
+from planner.cli import main as pi_plan
+from runtime import placement as pl
+from tests.tiny import random_weights, tiny_config
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny_config(ffn_act="relu", n_layer=3, n_ff=192)
+    path = tmp_path / "m.gguf"
+    write_llama(path, cfg, random_weights(cfg, seed=2))
+    update_model(path, set_tensors={C.tensor(C.ACT_COUNTS, i): np.linspace(50, 1, cfg.n_ff).astype(np.float32)
+                                    for i in range(cfg.n_layer)},
+                 set_metadata={C.ACT_TOKENS: np.uint64(50)})
+    return path, cfg
+
+
+def gpu(name="rtx4090", gib=24.0):
+    return pl.GPUInfo(name, int(gib * GIB), int(gib * GIB), None, name)
+
+
+def plan_it(path, *extra):
+    with pytest.raises(SystemExit) as e:
+        pi_plan([str(path), "--gpu", "rtx4090", "--vram-budget", "0.3", "--cpu-cores", "2", "--cpu-bw", "5",
+                 "--host-ram", "16", *extra])
+    assert e.value.code in (0, None)
+
+
+def test_stored_plan_is_used(model):
+    path, cfg = model
+    plan_it(path)
+    said = []
+    p = pl.choose(open_gguf(path), gpu(), vram_budget_gib=0.3, ctx=256, threads=2, say=said.append)
+    assert p.name == "plan" and "the plan in m.gguf" in p.source and not said
+
+
+def test_plan_for_another_gpu_or_more_memory_is_replanned(model):
+    path, _ = model
+    plan_it(path)
+    said = []
+    p = pl.choose(open_gguf(path), gpu("a100-80g", 80), vram_budget_gib=0.3, ctx=256, threads=2, say=said.append)
+    assert "made for rtx4090, not a100-80g" in said[0] and p.source.startswith("pi-plan for a100-80g")
+    said.clear()
+    p = pl.choose(open_gguf(path), gpu(), vram_budget_gib=0.29, ctx=256, threads=2, say=said.append)
+    assert "GiB of VRAM" in said[0] and "planning again" in said[0] and "pi-plan for rtx4090" in p.source
+
+
+def test_plan_for_another_model_is_refused(model, tmp_path):
+    path, cfg = model
+    plan_it(path)
+    other = tmp_path / "other.gguf"
+    write_llama(other, cfg, random_weights(cfg, seed=2) | {C.tensor(C.FFN_UP, 0): np.zeros((cfg.n_ff, cfg.n_embd),
+                                                                                               np.float16)})
+    f = open_gguf(path)
+    update_model(other, set_metadata={k: v for k, v in f.metadata.items() if k.startswith(C.PLAN_PREFIX)}
+                 | {C.ACT_TOKENS: np.uint64(50)},
+                 set_tensors={n: np.asarray(f.raw(n)) for n in f.tensors if ".gpu_" in n or "act_counts" in n})
+    said = []
+    pl.choose(open_gguf(other), gpu(), vram_budget_gib=0.3, ctx=256, threads=2, say=said.append)
+    assert "another model" in said[0]
+
+
+def test_powerinfer_sidecar(model):
+    path, cfg = model
+    rng = np.random.default_rng(0)
+    masks = [(rng.random(cfg.n_ff) < 0.3).astype(np.int32) for _ in range(cfg.n_layer)]
+    write_gpuidx(gpuidx_path(path), masks, None, vram_capacity=1 << 20)
+    said = []
+    p = pl.choose(open_gguf(path), gpu(), vram_budget_gib=0.3, ctx=256, threads=2, say=said.append)
+    assert p.name == "gpuidx" and not said
+    for b, m in zip(p.buckets, masks, strict=True):
+        np.testing.assert_array_equal(b, np.flatnonzero(m))
+    write_gpuidx(gpuidx_path(path), masks, None, vram_capacity=GIB)  # made for more memory than the budget
+    p = pl.choose(open_gguf(path), gpu(), vram_budget_gib=0.3, ctx=256, threads=2, say=said.append)
+    assert p.name == "plan" and "made for 1.00 GiB" in said[0] and "planning again" in said[0]
+    write_gpuidx(gpuidx_path(path), [m[:100] for m in masks], None, vram_capacity=1 << 20)  # another model
+    said.clear()
+    p = pl.choose(open_gguf(path), gpu(), vram_budget_gib=0.3, ctx=256, threads=2, say=said.append)
+    assert "another model" in said[0] and p.name == "plan"
+
+
+def test_baselines_and_budget_errors(model):
+    path, _ = model
+    f = open_gguf(path)
+    layers = pl.choose(f, gpu(), placement="layers", vram_budget_gib=0.3, ctx=256, threads=2)
+    cpu = pl.choose(f, gpu(), placement="cpu", ctx=256, threads=2)
+    assert layers.name == "layers" and cpu.name == "cpu" and not cpu.on_gpu
+    with pytest.raises(Exception, match="more than the .* free"):
+        pl.choose(f, gpu(gib=1), vram_budget_gib=2, ctx=256, threads=2)
+    with pytest.raises(Exception, match="unknown --placement"):
+        pl.choose(f, gpu(), placement="everything", ctx=256, threads=2)
+
+
+@pytest.mark.parametrize("name,gib,want", [("NVIDIA GeForce RTX 4090", 24, "rtx4090"), ("NVIDIA H200", 141, "h200"),
+                                           ("NVIDIA A100-SXM4-40GB", 40, "a100-40g"), ("Tesla T4", 15, "t4"),
+                                           ("Some New Card", 48, None)])
+def test_gpu_names_match_the_table(name, gib, want):
+    assert pl.match_gpu_table(name, int(gib * GIB)) == want
