@@ -15,6 +15,20 @@ namespace pinfer {
 
 namespace {
 
+struct F16Table {
+  float v[65536];
+  F16Table() {
+    for (uint32_t h = 0; h < 65536; ++h) v[h] = f16_to_f32((uint16_t)h);
+  }
+};
+const F16Table table;  // built when the library loads
+
+}  // namespace
+
+const float* const f16_table = table.v;
+
+namespace {
+
 #if defined(PINFER_AVX512)
 constexpr int Q_R1 = 8, Q_R = 4, Q_C = 4;  // block types: rows for one token; rows x tokens for several
 constexpr int F_R1 = 8, F_R = 4, F_C = 4;  // float types

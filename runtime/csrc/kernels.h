@@ -46,7 +46,17 @@ void row_to_f32(int type, const uint8_t* row, int64_t n, float* out);
 // y [T, sum of rows] = x [T, K] . W_i^T for each matrix, outputs side by side. T < gemm_min_t: streaming GEMV tiles on
 // the stored bytes (q8 activations for block types); otherwise tiles of rows dequantised to fp32 and torch's GEMM.
 void qmatmul(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, float* y, int64_t gemm_min_t);
-constexpr int64_t GEMM_MIN_T = 16;  // measured, see matmul.cpp
+// Tokens from which qmatmul dequantises tiles for torch's sgemm instead of streaming tiles on the stored bytes. Measured
+// (single core, a 1024 x 4096 matrix; benchmarks/kernels.py --crossover): AVX-512+VNNI tiles run Q4_0/Q8_0 at ~80
+// GFLOP/s and F16 at ~95 for any T, sgemm on 64-row tiles 56 at T=40, 72 at 64, 83-88 at 80-96, 127 at 512; the AVX2
+// tiles ~60, so sgemm wins from ~44; portable tiles are scalar (10 GFLOP/s), sgemm wins from 4.
+#if defined(PINFER_AVX512)
+constexpr int64_t GEMM_MIN_T = 80;
+#elif defined(PINFER_AVX2)
+constexpr int64_t GEMM_MIN_T = 44;
+#else
+constexpr int64_t GEMM_MIN_T = 4;
+#endif
 
 // --- sparse_ffn.cpp ----------------------------------------------------------------------------------------------------
 enum Act : int { SWIGLU = 0, REGLU = 1, DRELU = 2, RELU_NOGATE = 3, GELU_NOGATE = 4 };

@@ -8,9 +8,9 @@
 // Prefill (T >= gemm_min_t): compute-bound. Per thread, tiles of GEMM_TILE rows are dequantised to fp32 into a
 // per-thread buffer that stays in L2 (64 rows x 4096 = 1 MB) and multiplied by torch's single-threaded sgemm (MKL):
 // the whole matrix is never dequantised, and the result is exact in fp32 (no q8 rounding of the activations).
-// Measured on this machine (Xeon, AVX-512, 2 threads; benchmarks/kernels.py): MKL sgemm on a 64-row tile runs at
-// ~130 GFLOP/s per core while the int8 VNNI tiles of the decode path reach less than half of that at T = 512, and
-// the dequantisation is ~1% of the GEMM at T = 512. The crossover (GEMM_MIN_T in kernels.h) is measured too.
+// Measured on this machine (Xeon, AVX-512 + VNNI, one core, CPU time): MKL sgemm on 64-row tiles reaches ~127
+// GFLOP/s at T = 512 for every type (the dequantisation is ~1% of it), the int8 tiles ~80 (Q4_0, Q8_0) and the F16
+// tiles ~95 at any T; on the AVX2 build the tiles reach ~60. The crossover is GEMM_MIN_T (kernels.h).
 #include "kernels.h"
 
 namespace pinfer {

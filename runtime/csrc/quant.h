@@ -68,6 +68,29 @@ inline float welem(int type, const uint8_t* row, int64_t j) {
   return type == Q4_0 ? d * (float)(q - 8) : d * (float)q + f16_to_f32(rd_u16(blk + 2));
 }
 
+// Block scales (half floats) as floats through a 64K-entry table (256 KB, filled once when the library loads; it stays
+// in L2): a scale becomes one load that a broadcast takes straight from memory, instead of 2-3 vector instructions
+// (vpbroadcastw + vcvtph2ps) on the ports the dot products need. Measured: Q4_0 GEMV 20% fewer cycles per block.
+extern const float* const f16_table;
+inline float f16_scale(const uint8_t* p) { return f16_table[rd_u16(p)]; }
+
+// Software prefetch PF_AHEAD bytes ahead in every row a tile streams. The hardware prefetchers follow 8 rows side by
+// side, but start each row late: measured on a Q4_0 GEMV from DRAM, one core: 7.3 GB/s without, 9.8 GB/s at 256-512
+// bytes ahead, 8.3 at 1024 (the lines arrive before they are used, yet too early ones are evicted again).
+constexpr int64_t PF_AHEAD = 256;
+inline void prefetch(const void* p) {
+#if defined(__SSE__) || defined(__x86_64__)
+  _mm_prefetch((const char*)p, _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+// The first bytes of rows that will be read next (scattered rows: each would otherwise start with a DRAM miss).
+inline void prefetch_rows(const uint8_t* const* rows, int64_t n, int64_t bytes) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t o = 0; o < bytes; o += 64) prefetch(rows[i] + o);
+}
+
 // --- 8-bit activation blocks ---------------------------------------------------------------------------------------
 
 struct Q8 {  // one token's activations, nb blocks
@@ -169,8 +192,9 @@ inline __m256i qunpack(const uint8_t* blk) {
     return w;
 #endif
   }
-  const __m128i b = _mm_loadu_si128((const __m128i*)(blk + (TY == Q4_1 ? 4 : 2)));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+  // the 16 bytes in both lanes (one broadcast load), the upper lane shifted by 4: 2 instructions
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + (TY == Q4_1 ? 4 : 2))));
+  return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // The integer offset folded into a block's i32 sums, lane 0 of the accumulator's start value: Q4_0 stores q + 8
@@ -202,11 +226,10 @@ inline __m256i qdot(__m256i init, __m256i w, __m256i x) {
 #endif
 }
 
-inline __m256 bcast_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_set1_epi16((short)rd_u16(p))); }
 
 template <int TY, int R, int C>
 inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride) {
-  constexpr int64_t BB = unit_bytes(TY);
+  constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;  // one prefetch per cache line of each row
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -215,10 +238,11 @@ inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* o
     __m256 dw[R], mw[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = rows[r] + b * BB;
+      if (b % PF_EVERY == 0) prefetch(blk + PF_AHEAD);
       w[r] = qunpack<TY>(blk);
-      dw[r] = bcast_f16(blk);
-      // Q4_1's m * s term goes to lane 0 only (the other lanes convert half 0.0): one multiply-add per (row, token)
-      if (TY == Q4_1) mw[r] = _mm256_cvtph_ps(_mm_cvtsi32_si128(rd_u16(blk + 2)));
+      dw[r] = _mm256_broadcast_ss(&f16_table[rd_u16(blk)]);
+      // Q4_1's m * s term goes to lane 0 only (the other lanes are 0): one multiply-add per (row, token)
+      if (TY == Q4_1) mw[r] = _mm256_set_m128(_mm_setzero_ps(), _mm_load_ss(&f16_table[rd_u16(blk + 2)]));
     }
     for (int c = 0; c < C; ++c) {
       const __m256i xv = _mm256_loadu_si256((const __m256i*)(xs[c].qs + b * QK));
@@ -239,12 +263,13 @@ inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* o
 #else
 template <int TY, int R, int C>
 inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride) {
-  constexpr int64_t BB = unit_bytes(TY);
+  constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;  // one prefetch per cache line of each row
   float acc[R][C] = {};
   for (int64_t b = 0; b < nb; ++b)
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = rows[r] + b * BB;
-      const float dw = f16_to_f32(rd_u16(blk));
+      if (b % PF_EVERY == 0) prefetch(blk + PF_AHEAD);
+      const float dw = f16_scale(blk);
       int8_t w[QK];  // signed values: q - 8 (Q4_0), q (Q4_1), raw (Q8_0)
       if (TY == Q8_0) {
         std::memcpy(w, blk + 2, QK);
@@ -261,7 +286,7 @@ inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* o
         int32_t sum = 0;
         for (int j = 0; j < QK; ++j) sum += (int32_t)w[j] * (int32_t)x[j];
         acc[r][c] += dw * (xs[c].d[b] * (float)sum);
-        if (TY == Q4_1) acc[r][c] += f16_to_f32(rd_u16(blk + 2)) * xs[c].s[b];
+        if (TY == Q4_1) acc[r][c] += f16_scale(blk + 2) * xs[c].s[b];
       }
     }
   for (int c = 0; c < C; ++c)
@@ -285,9 +310,30 @@ inline vf wload(const uint8_t* row, int64_t i) {
   if (TY == F16) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 #else
-  float v[VW];
-  for (int k = 0; k < VW; ++k) v[k] = welem(TY, row, i + k);
-  return vload(v);
+  // GCC vectors: 8 lanes of integer bit manipulation, the same exact conversions as f16_to_f32 / bf16_to_f32
+  typedef uint16_t vh __attribute__((vector_size(16)));
+  typedef uint32_t vu __attribute__((vector_size(32)));
+  if (TY == F32) return vload(reinterpret_cast<const float*>(row + 4 * i));  // vload copies bytewise (memcpy)
+  vh h;
+  std::memcpy(&h, row + 2 * i, sizeof h);
+  const vu u = __builtin_convertvector(h, vu);
+  vu bits;
+  if (TY == BF16) {
+    bits = u << 16;
+  } else {
+    const vu em = u & 0x7fff, sign = (u & 0x8000) << 16;
+    vf scaled;
+    const vu shifted = em << 13;
+    std::memcpy(&scaled, &shifted, sizeof scaled);
+    scaled = scaled * 0x1p112f;  // rebias normals, normalise subnormals (see f16_to_f32)
+    vu fin;
+    std::memcpy(&fin, &scaled, sizeof fin);
+    const vu infnan = 0x7f800000u | ((em & 0x3ffu) << 13);
+    bits = (em >= 0x7c00u ? infnan : fin) | sign;
+  }
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
 #endif
 }
 
@@ -297,10 +343,14 @@ inline void ftile(const uint8_t* const* rows, const float* const* xs, int64_t n,
   vf acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  constexpr int64_t ES = unit_bytes(TY), PF_EVERY = 64 / (ES * VW) > 0 ? 64 / (ES * VW) : 1;
   int64_t i = 0;
   for (; i + VW <= n; i += VW) {
     vf w[R];
-    for (int r = 0; r < R; ++r) w[r] = wload<TY>(rows[r], i);
+    for (int r = 0; r < R; ++r) {
+      if ((i / VW) % PF_EVERY == 0) prefetch(rows[r] + i * ES + PF_AHEAD);
+      w[r] = wload<TY>(rows[r], i);
+    }
     for (int c = 0; c < C; ++c) {
       const vf xv = vload(xs[c] + i);
       for (int r = 0; r < R; ++r) acc[r][c] = vfma(w[r], xv, acc[r][c]);
@@ -318,8 +368,8 @@ inline void ftile(const uint8_t* const* rows, const float* const* xs, int64_t n,
 
 template <int TY>
 inline void qblock(const uint8_t* blk, vf* v) {
-  const float d = f16_to_f32(rd_u16(blk));
-  const float m = TY == Q4_0 ? -8.f * d : TY == Q4_1 ? f16_to_f32(rd_u16(blk + 2)) : 0.f;
+  const float d = f16_scale(blk);
+  const float m = TY == Q4_0 ? -8.f * d : TY == Q4_1 ? f16_scale(blk + 2) : 0.f;
   // value = q * d + m in one rounding: for Q4_0, d * (q - 8) exactly as the reference rounds it
 #if defined(PINFER_AVX512)
   const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);

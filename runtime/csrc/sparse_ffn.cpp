@@ -76,7 +76,12 @@ struct Walk {
     const int64_t T = f.T;
     const uint8_t* rows[NB];
     if (gated) {
-      for (int r = 0; r < n_pend; ++r) rows[r] = f.up.row(id(pend[r]));
+      const uint8_t* down[NB];
+      for (int r = 0; r < n_pend; ++r) {
+        rows[r] = f.up.row(id(pend[r]));
+        down[r] = f.down_t.row(id(pend[r]));
+      }
+      prefetch_rows(down, n_pend, PF_AHEAD);  // their down rows come next (when the activation is not zero)
       dot_rows(f.up.type, rows, n_pend, a, uv.data(), NB);
       for (int64_t t = 0; t < T; ++t)
         for (int r = 0; r < n_pend; ++r)
@@ -112,6 +117,12 @@ struct Walk {
       const int n = (int)std::min<int64_t>(NB, e - j0);
       const uint8_t* rows[NB];
       for (int r = 0; r < n; ++r) rows[r] = first.row(id(j0 + r));
+      if (j0 + NB < e) {  // the next group's first rows start arriving while this group computes
+        const uint8_t* next[NB];
+        const int nn = (int)std::min<int64_t>(NB, e - j0 - NB);
+        for (int r = 0; r < nn; ++r) next[r] = first.row(id(j0 + NB + r));
+        prefetch_rows(next, nn, PF_AHEAD);
+      }
       dot_rows(first.type, rows, n, a, gb.data(), NB);
       for (int r = 0; r < n; ++r) {
         const int64_t j = j0 + r;
