@@ -13,14 +13,19 @@ from round to round; ratios are per round, then the median; spreads are min-max 
 - ffn: qffn_sparse, one token, SwiGLU (every selected neuron's three rows are read), 10/20/50% of 11008 neurons at
   random, against the dense FFN of the same type (qmatmul gate+up, SwiGLU, qmatmul down).
 - pred: qpredict_active, F16 predictor r=1024 for a 4096 x 11008 layer, fc2 as stored vs transposed.
-- --crossover: qmatmul's two regimes (streaming tiles vs dequantised tiles + sgemm) for T = 2..64, to place
+- --crossover: qmatmul's two regimes (streaming tiles vs dequantised tiles + sgemm) for T = 2..128, to place
   GEMM_MIN_T (runtime/csrc/kernels.h).
+
+--clock cpu measures process CPU time instead of wall time (re-executing with OMP_WAIT_POLICY=PASSIVE so that idle
+OpenMP threads sleep instead of spinning on the clock): on a machine shared with other jobs, wall time counts the
+time slices other processes take, CPU time does not. Bandwidths are then bytes per CPU-second times --threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -68,6 +73,9 @@ def copies_for(nbytes: int, mem_mb: int) -> int:
     return max(2, -(-mem_mb * 2**20 // nbytes))
 
 
+CLOCK = time.perf_counter  # or CPU time divided by the thread count (--clock cpu)
+
+
 def paired(fns: dict, rounds: int) -> dict[str, list[float]]:
     """Seconds per call of each function, one sample per round, the order rotated each round. Each fn is called once
     untimed first (warm-up: page faults, thread pool, caches of the code)."""
@@ -78,9 +86,9 @@ def paired(fns: dict, rounds: int) -> dict[str, list[float]]:
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fns[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(CLOCK() - t0)
     return times
 
 
@@ -163,7 +171,7 @@ def bench_crossover(builds: dict, rounds: int, types: list[str], report: list, l
     for name in types:
         t = TYPES[name]
         w = weights(rows, cols, t, 0)
-        for T in (2, 4, 8, 12, 16, 24, 32, 48, 64):
+        for T in (2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128):
             x = torch.randn(T, cols)
             fns = {}
             for b, ops in builds.items():
@@ -261,12 +269,18 @@ def main() -> None:
     ap.add_argument("--types", default="F16,Q4_0,Q8_0,Q4_1,BF16,F32")
     ap.add_argument("--builds", default="native,x86-64-v3")
     ap.add_argument("--crossover", action="store_true")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        if os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":  # libgomp reads it when it loads: start over with it set
+            os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+        global CLOCK
+        CLOCK = lambda: time.process_time() / args.threads  # noqa: E731
     torch.set_num_threads(args.threads)
     builds = cpu_kernels.load_variants(args.builds.split(","))
     isa = {b: ops.isa() for b, ops in builds.items()}
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
-    log(f"{cpu_model()}, {args.threads} threads, builds {isa}, {args.rounds} paired rounds")
+    log(f"{cpu_model()}, {args.threads} threads, builds {isa}, {args.rounds} paired rounds, {args.clock} clock")
     types = args.types.split(",")
     only = args.only.split(",")
     report: list = []
@@ -282,8 +296,8 @@ def main() -> None:
     if args.crossover:
         bench_crossover(builds, args.rounds, [t for t in types if t in ("F16", "Q4_0", "Q8_0")], report, log)
     if args.json:
-        print(json.dumps({"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "isa": isa,
-                          "results": report}, indent=1))
+        print(json.dumps({"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "clock": args.clock,
+                          "isa": isa, "results": report}, indent=1))
 
 
 if __name__ == "__main__":
