@@ -41,53 +41,70 @@ constexpr int F_R1 = 4, F_R = 2, F_C = 4;
 #endif
 
 template <int TY, int R, int C>
-inline void tile(const uint8_t* const* rows, const Acts& a, int64_t t0, float* out, int64_t os) {
+inline void tile(const uint8_t* const* rows, const Acts& a, int64_t t0, float* out, int64_t os,
+                 const uint8_t* const* nxt) {
   if constexpr (is_block(TY))
-    qtile<TY, R, C>(rows, a.q.data() + t0, a.n / QK, out, os);
+    qtile<TY, R, C>(rows, a.q.data() + t0, a.n / QK, out, os, nxt);
   else
-    ftile<TY, R, C>(rows, a.f.data() + t0, a.n, out, os);
+    ftile<TY, R, C>(rows, a.f.data() + t0, a.n, out, os, nxt);
 }
 
-// R rows against every token, CMAX tokens per tile (CMAX <= 4)
+// R rows against every token, CMAX tokens per tile (CMAX <= 4); the first token tile also prefetches the next R
+// rows (nxt, into L2) in step with its own, so scattered rows start streaming one group early
 template <int TY, int R, int CMAX>
-void row_group(const uint8_t* const* rows, const Acts& a, float* out, int64_t os) {
+void row_group(const uint8_t* const* rows, const Acts& a, float* out, int64_t os, const uint8_t* const* nxt) {
   int64_t t0 = 0;
-  for (; t0 + CMAX <= a.T; t0 += CMAX) tile<TY, R, CMAX>(rows, a, t0, out + t0 * os, os);
+  for (; t0 + CMAX <= a.T; t0 += CMAX) tile<TY, R, CMAX>(rows, a, t0, out + t0 * os, os, t0 == 0 ? nxt : nullptr);
+  const uint8_t* const* nx = t0 == 0 ? nxt : nullptr;
   switch (a.T - t0) {
-    case 1: tile<TY, R, 1>(rows, a, t0, out + t0 * os, os); break;
-    case 2: if constexpr (CMAX > 2) tile<TY, R, 2>(rows, a, t0, out + t0 * os, os); break;
-    case 3: if constexpr (CMAX > 3) tile<TY, R, 3>(rows, a, t0, out + t0 * os, os); break;
+    case 1: tile<TY, R, 1>(rows, a, t0, out + t0 * os, os, nx); break;
+    case 2: if constexpr (CMAX > 2) tile<TY, R, 2>(rows, a, t0, out + t0 * os, os, nx); break;
+    case 3: if constexpr (CMAX > 3) tile<TY, R, 3>(rows, a, t0, out + t0 * os, os, nx); break;
     default: break;
   }
 }
 
 template <int TY, int R, int CMAX>
-void rows_by(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os) {
+void rows_by(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os, const uint8_t* const* next,
+             int64_t n_next) {
+  // the R rows after group i, from rows and then from next (the caller's next rows), repeating the last one
+  auto after = [&](int64_t i, const uint8_t** nx) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t j = i + R + r;
+      nx[r] = j < n ? rows[j] : (j - n < n_next ? next[j - n] : (n_next ? next[n_next - 1] : rows[n - 1]));
+    }
+  };
+  const uint8_t* nx[R];
   int64_t i = 0;
-  for (; i + R <= n; i += R) row_group<TY, R, CMAX>(rows + i, a, out + i, os);
+  for (; i + R <= n; i += R) {
+    after(i, nx);
+    row_group<TY, R, CMAX>(rows + i, a, out + i, os, nx);
+  }
   if (i == n) return;
   // the last rows: padded with copies of the last one (read from cache), their results dropped
   const uint8_t* pad[R];
   for (int r = 0; r < R; ++r) pad[r] = rows[std::min<int64_t>(i + r, n - 1)];
   thread_local std::vector<float> tmp;
   tmp.resize(R * a.T);
-  row_group<TY, R, CMAX>(pad, a, tmp.data(), R);
+  after(i, nx);
+  row_group<TY, R, CMAX>(pad, a, tmp.data(), R, nx);
   for (int64_t t = 0; t < a.T; ++t)
     for (int64_t r = 0; r < n - i; ++r) out[t * os + i + r] = tmp[t * R + r];
 }
 
 template <int TY>
-void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os) {
+void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
+                const uint8_t* const* next, int64_t n_next) {
   if constexpr (is_block(TY)) {
     if (a.T == 1)
-      rows_by<TY, Q_R1, 1>(rows, n, a, out, os);
+      rows_by<TY, Q_R1, 1>(rows, n, a, out, os, next, n_next);
     else
-      rows_by<TY, Q_R, Q_C>(rows, n, a, out, os);
+      rows_by<TY, Q_R, Q_C>(rows, n, a, out, os, next, n_next);
   } else {
     if (a.T == 1)
-      rows_by<TY, F_R1, 1>(rows, n, a, out, os);
+      rows_by<TY, F_R1, 1>(rows, n, a, out, os, next, n_next);
     else
-      rows_by<TY, F_R, F_C>(rows, n, a, out, os);
+      rows_by<TY, F_R, F_C>(rows, n, a, out, os, next, n_next);
   }
 }
 
@@ -140,8 +157,9 @@ void Acts::prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool n
   }
 }
 
-void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride) {
-  if (n > 0 && a.T > 0) PINFER_BY_TYPE(type, dot_rows_t, rows, n, a, out, ostride)
+void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
+              const uint8_t* const* next, int64_t n_next) {
+  if (n > 0 && a.T > 0) PINFER_BY_TYPE(type, dot_rows_t, rows, n, a, out, ostride, next, n_next)
 }
 
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,

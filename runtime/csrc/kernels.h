@@ -32,8 +32,11 @@ struct Acts {
   void prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool need_q8);
 };
 // out[t * ostride + i] = rows[i] . token t, for n rows of one type (any count; T any), on the calling thread.
-// Rows are streamed several side by side (see dot.cpp).
-void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride);
+// Rows are streamed several side by side (see dot.cpp); next[0..n_next) are rows the caller reads after these (any
+// type): prefetched into L2 while the last groups compute (past the end of a shorter row is harmless: prefetches never
+// fault).
+void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
+              const uint8_t* const* next = nullptr, int64_t n_next = 0);
 // y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0)
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
                int64_t ys, int64_t o0, int64_t o1);

@@ -81,8 +81,7 @@ struct Walk {
         rows[r] = f.up.row(id(pend[r]));
         down[r] = f.down_t.row(id(pend[r]));
       }
-      prefetch_rows(down, n_pend, PF_AHEAD);  // their down rows come next (when the activation is not zero)
-      dot_rows(f.up.type, rows, n_pend, a, uv.data(), NB);
+      dot_rows(f.up.type, rows, n_pend, a, uv.data(), NB, down, n_pend);  // down rows next (if h != 0)
       for (int64_t t = 0; t < T; ++t)
         for (int r = 0; r < n_pend; ++r)
           hv[t * NB + r] = on(t, pend[r]) ? activate(pend_v[t * NB + r], uv[t * NB + r] + bias(pend[r])) : 0.f;
@@ -117,13 +116,10 @@ struct Walk {
       const int n = (int)std::min<int64_t>(NB, e - j0);
       const uint8_t* rows[NB];
       for (int r = 0; r < n; ++r) rows[r] = first.row(id(j0 + r));
-      if (j0 + NB < e) {  // the next group's first rows start arriving while this group computes
-        const uint8_t* next[NB];
-        const int nn = (int)std::min<int64_t>(NB, e - j0 - NB);
-        for (int r = 0; r < nn; ++r) next[r] = first.row(id(j0 + NB + r));
-        prefetch_rows(next, nn, PF_AHEAD);
-      }
-      dot_rows(first.type, rows, n, a, gb.data(), NB);
+      const uint8_t* next[NB];  // the next group's rows stream into L2 while this group computes
+      const int nn = (int)std::max<int64_t>(0, std::min<int64_t>(NB, e - j0 - NB));
+      for (int r = 0; r < nn; ++r) next[r] = first.row(id(j0 + NB + r));
+      dot_rows(first.type, rows, n, a, gb.data(), NB, next, nn);
       for (int r = 0; r < n; ++r) {
         const int64_t j = j0 + r;
         bool live = false;
