@@ -50,13 +50,15 @@ void row_to_f32(int type, const uint8_t* row, int64_t n, float* out);
 // the stored bytes (q8 activations for block types); otherwise tiles of rows dequantised to fp32 and torch's GEMM.
 void qmatmul(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, float* y, int64_t gemm_min_t);
 // Tokens from which qmatmul dequantises tiles for torch's sgemm instead of streaming tiles on the stored bytes. Measured
-// (single core, a 1024 x 4096 matrix; benchmarks/kernels.py --crossover): AVX-512+VNNI tiles run Q4_0/Q8_0 at ~80
-// GFLOP/s and F16 at ~95 for any T, sgemm on 64-row tiles 56 at T=40, 72 at 64, 83-88 at 80-96, 127 at 512; the AVX2
-// tiles ~60, so sgemm wins from ~44; portable tiles are scalar (10 GFLOP/s), sgemm wins from 4.
+// (one core, CPU time, a 1024 x 4096 matrix; benchmarks/kernels.py --crossover for 2 threads): the AVX-512+VNNI tiles
+// run Q4_0/Q8_0 at ~82 GFLOP/s and F16 at ~99 for any T; sgemm on dequantised tiles 63 at T=32, 77 at 48, 95 at 64,
+// 110 at 96 (Q4_0; F16 catches up at ~80). The AVX2 tiles run at ~61; sgemm restricted to AVX2 (MKL_ENABLE_INSTRUCTIONS
+// =AVX2, as on an AVX2-only CPU) 53 at T=32, 61 at 48, 62 at 64, 70 at 128. Portable tiles are scalar (10 GFLOP/s):
+// sgemm wins from 4. At equal speed the GEMM is preferred: it is exact in fp32, the tiles use q8 activations.
 #if defined(PINFER_AVX512)
-constexpr int64_t GEMM_MIN_T = 80;
+constexpr int64_t GEMM_MIN_T = 64;
 #elif defined(PINFER_AVX2)
-constexpr int64_t GEMM_MIN_T = 44;
+constexpr int64_t GEMM_MIN_T = 48;
 #else
 constexpr int64_t GEMM_MIN_T = 4;
 #endif

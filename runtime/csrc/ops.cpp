@@ -16,8 +16,8 @@
 // qmatmul(Tensor x, Tensor[] weights, int[] types, int gemm_min_t=-1) -> Tensor
 //     x [T, in]; weights[i] [out_i, row_bytes_i] with `in` columns each -> y [T, sum out_i], the outputs side by
 //     side (Q, K, V as one call). T < gemm_min_t (-1: this build's measured crossover, gemm_min_t() below):
-//     streaming tiles on the stored bytes (q8 activations for block types); otherwise tiles of 64 rows dequantised to
-//     fp32 + torch's single-threaded sgemm per thread (exact fp32).
+//     streaming tiles on the stored bytes (q8 activations for block types); otherwise tiles of <= 256 rows
+//     dequantised to fp32 + torch's single-threaded sgemm per thread (exact fp32).
 // qffn_sparse(Tensor x, Tensor? gate, int gate_type, Tensor up, int up_type, Tensor down_t, int down_type,
 //             Tensor? idx, Tensor? row_mask, int act, Tensor? up_bias, float cats_threshold) -> (Tensor, int)
 //     The FFN of x [T, d] (T <= ~24) over the neurons idx (int64 [k], any order, no duplicates; None = all):
@@ -45,7 +45,7 @@
 //     One token's RoPE + cache write + attention (attention.cpp); caches [n_head_kv, ctx, head_dim], float32 or
 //     float16 (both the same). neox: rotary pairs (i, i + D/2) instead of (2i, 2i+1).
 // isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
-// gemm_min_t() -> int  qmatmul's default crossover: 80 (AVX-512), 44 (AVX2), 4 (portable)
+// gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
