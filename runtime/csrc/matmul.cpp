@@ -19,7 +19,8 @@ namespace {
 
 // Rows per dequantised tile, at most: each sgemm call packs x again, so tiles should be large; 256 rows of 4096 are a
 // 4 MB buffer per thread. Measured (4096 x 11008, T = 512, 2 threads): tiles of 64 rows 200 GFLOP/s, 128 234, 256
-// 245-259, 512 256, torch's mm on a dequantised copy 250-275. Small matrices get smaller tiles, two per thread at least.
+// 245-259, 512 256, torch's mm on a dequantised copy 250-275. Small matrices get smaller tiles, two per thread at
+// least.
 constexpr int64_t GEMM_TILE = 256;
 
 // Rows per parallel chunk: an even share per thread, in whole 8-row groups, and at least 64 KB of weights (below
@@ -37,7 +38,8 @@ void gemm_tiles(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws
   const int64_t tile = std::min<int64_t>(GEMM_TILE, std::max<int64_t>(16, (N + 2 * nt - 1) / (2 * nt) + 15) / 16 * 16);
   std::vector<Tile> tiles;
   for (size_t m = 0; m < ws.size(); ++m)
-    for (int64_t r0 = 0; r0 < ws[m].rows; r0 += tile) tiles.push_back({(int64_t)m, r0, std::min(tile, ws[m].rows - r0)});
+    for (int64_t r0 = 0; r0 < ws[m].rows; r0 += tile)
+      tiles.push_back({(int64_t)m, r0, std::min(tile, ws[m].rows - r0)});
   const int64_t n = (int64_t)tiles.size();
   parallel_for(0, n, (n + nt - 1) / nt, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> buf;

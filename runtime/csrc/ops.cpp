@@ -124,7 +124,8 @@ std::tuple<at::Tensor, int64_t> qffn_sparse_op(const at::Tensor& x, const std::o
                                                const std::optional<at::Tensor>& up_bias, double cats) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x: [T, d]");
-  TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE, "act: 0 SwiGLU, 1 ReGLU, 2 dReLU, 3 ReLU (no gate), 4 GELU (no gate)");
+  TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE,
+              "act: 0 SwiGLU, 1 ReGLU, 2 dReLU, 3 ReLU (no gate), 4 GELU (no gate)");
   const bool gated = act <= DRELU;
   TORCH_CHECK(gated == gate.has_value(), gated ? "act 0-2 need a gate matrix" : "act 3-4 are gate-less: gate=None");
   TORCH_CHECK(cats >= 0 && (cats == 0 || act == SWIGLU), "cats_threshold: >= 0, and only for SwiGLU (act 0)");

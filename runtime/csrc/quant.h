@@ -34,7 +34,9 @@ constexpr bool is_block(int t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }
 constexpr int64_t unit_bytes(int t) {
   return t == F32 ? 4 : t == F16 || t == BF16 ? 2 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : 0;
 }
-constexpr int64_t row_bytes(int t, int64_t cols) { return is_block(t) ? cols / QK * unit_bytes(t) : cols * unit_bytes(t); }
+constexpr int64_t row_bytes(int t, int64_t cols) {
+  return is_block(t) ? cols / QK * unit_bytes(t) : cols * unit_bytes(t);
+}
 inline const char* type_name(int t) {
   switch (t) {
     case F32: return "F32"; case F16: return "F16"; case BF16: return "BF16";
@@ -178,7 +180,7 @@ struct Q8Acts {
   }
 };
 
-// --- integer dot-product tiles: R weight rows x C tokens of q8 activations --------------------------------------------
+// --- integer dot-product tiles: R weight rows x C tokens of q8 activations -------------------------------------------
 // out[c * ostride + r] = row r . token c over nb blocks. A tile keeps R x C accumulators in registers and reads each
 // weight block once for its C tokens and each activation block once for its R rows.
 
@@ -307,7 +309,7 @@ inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* o
 }
 #endif
 
-// --- float-weight tiles: F32 / F16 / BF16 rows x fp32 tokens ----------------------------------------------------------
+// --- float-weight tiles: F32 / F16 / BF16 rows x fp32 tokens ---------------------------------------------------------
 
 // VW weights starting at value i, as floats
 template <int TY>
@@ -381,7 +383,7 @@ inline void ftile(const uint8_t* const* rows, const float* const* xs, int64_t n,
     }
 }
 
-// --- dequantisation: one block (32 values) of a block type into 32 / VW float vectors ---------------------------------
+// --- dequantisation: one block (32 values) of a block type into 32 / VW float vectors --------------------------------
 
 template <int TY>
 inline void qblock(const uint8_t* blk, vf* v) {
@@ -445,7 +447,7 @@ inline void dequant_row(const uint8_t* row, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = welem(TY, row, i);
 }
 
-// --- axpy: y_t += sum_r h[t, r] * row_r over values [o0, o1), for T tokens --------------------------------------------
+// --- axpy: y_t += sum_r h[t, r] * row_r over values [o0, o1), for T tokens -------------------------------------------
 // Each chunk of each row is converted once and applied to every token (the rows of the sparse FFN's down projection).
 // For block types o0 and o1 must be multiples of 32.
 #if defined(PINFER_AVX512)
