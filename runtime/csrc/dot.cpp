@@ -110,17 +110,28 @@ void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out
 
 template <int TY>
 void axpy_rows_t(const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y, int64_t ys,
-                 int64_t o0, int64_t o1) {
+                 int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next) {
+  // each pass prefetches the rows of the following pass (or the caller's next rows) in step with its own
+  const uint8_t* nx[AXPY_R];
+  auto after = [&](int64_t i) -> const uint8_t* const* {
+    if (i + AXPY_R >= n && n_next == 0) return nullptr;
+    for (int r = 0; r < AXPY_R; ++r) {
+      const int64_t j = i + AXPY_R + r;
+      nx[r] = j < n ? rows[j] : n_next > 0 ? next[std::min(j - n, n_next - 1)] : rows[n - 1];
+    }
+    return nx;
+  };
   int64_t i = 0;
-  for (; i + AXPY_R <= n; i += AXPY_R) axpy_tile<TY, AXPY_R>(rows + i, h + i, hs, T, y, ys, o0, o1);
+  for (; i + AXPY_R <= n; i += AXPY_R) axpy_tile<TY, AXPY_R>(rows + i, h + i, hs, T, y, ys, o0, o1, after(i));
+  const uint8_t* const* tail = n - i > 0 ? after(i) : nullptr;
   switch (n - i) {
-    case 1: axpy_tile<TY, 1>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 2: axpy_tile<TY, 2>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 3: axpy_tile<TY, 3>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 4: if constexpr (AXPY_R > 4) axpy_tile<TY, 4>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 5: if constexpr (AXPY_R > 5) axpy_tile<TY, 5>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 6: if constexpr (AXPY_R > 6) axpy_tile<TY, 6>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 7: if constexpr (AXPY_R > 7) axpy_tile<TY, 7>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 1: axpy_tile<TY, 1>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 2: axpy_tile<TY, 2>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 3: axpy_tile<TY, 3>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 4: if constexpr (AXPY_R > 4) axpy_tile<TY, 4>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 5: if constexpr (AXPY_R > 5) axpy_tile<TY, 5>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 6: if constexpr (AXPY_R > 6) axpy_tile<TY, 6>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 7: if constexpr (AXPY_R > 7) axpy_tile<TY, 7>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
     default: break;
   }
 }
@@ -163,8 +174,8 @@ void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, fl
 }
 
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
-               int64_t ys, int64_t o0, int64_t o1) {
-  if (n > 0 && T > 0 && o1 > o0) PINFER_BY_TYPE(type, axpy_rows_t, rows, n, h, hs, T, y, ys, o0, o1)
+               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next) {
+  if (n > 0 && T > 0 && o1 > o0) PINFER_BY_TYPE(type, axpy_rows_t, rows, n, h, hs, T, y, ys, o0, o1, next, n_next)
 }
 
 void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out) {

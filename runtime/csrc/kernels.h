@@ -37,9 +37,10 @@ struct Acts {
 // fault).
 void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
               const uint8_t* const* next = nullptr, int64_t n_next = 0);
-// y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0)
+// y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0);
+// next: as for dot_rows
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
-               int64_t ys, int64_t o0, int64_t o1);
+               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next = nullptr, int64_t n_next = 0);
 // rows [n] of a matrix as floats: out [n, cols]; ids == nullptr: rows 0..n-1
 void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out);
 // one row as floats, on the calling thread
