@@ -94,7 +94,8 @@ def _compiler() -> str:
 
 
 def _flags(march_: str, ns: str) -> list[str]:
-    return [f"-march={march_}", f"-DPINFER_NS={ns}", *COMMON_FLAGS]
+    # $PINFER_CPU_CXXFLAGS: extra flags for experiments (e.g. -DNAME=value); part of the cache key like the rest
+    return [f"-march={march_}", f"-DPINFER_NS={ns}", *COMMON_FLAGS, *os.environ.get("PINFER_CPU_CXXFLAGS", "").split()]
 
 
 def cache_key(march_: str, ns: str = NAMESPACE, cxx: str | None = None) -> str:

@@ -1,8 +1,14 @@
-"""Building and caching the C++ CPU kernels (runtime/cpu_kernels.py); their numbers are tested in test_sparse_ops."""
+"""Building and caching the C++ CPU kernels (runtime/cpu_kernels.py), with planted faults: a compiler that fails, one
+that writes a bogus library, a smoke test that dies with SIGILL, a corrupt cached library, CPU flags that change, an
+empty XDG_CACHE_HOME. Their numbers are tested in test_qkernels.py and test_sparse_ops.py."""
 
 import os
+import signal
+import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +23,123 @@ def test_build_is_cached_and_complete():
     path = cpu_kernels.build()
     assert path.exists() and path.name.startswith("pinfer_cpu_")
     assert cpu_kernels.build() == path  # cached: same key, no rebuild
-    assert not list(path.parent.glob("*.tmp"))  # no temporary left behind
+    assert not list(path.parent.glob("build_*"))  # no build directory left behind
+    assert cpu_kernels.status().startswith("pinfer C++ kernels (")
+
+
+def fake_compiler(tmp_path: Path, version: str, fail: bool) -> tuple[Path, Path]:
+    """A CXX that logs its arguments, then fails with a planted error or writes a bogus "library" to its -o path."""
+    log = tmp_path / f"{version}.log"
+    script = tmp_path / f"{version}.sh"
+    action = ('echo "fakecc: error: planted failure" >&2; exit 1' if fail else
+              'out=""; prev=""; for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done; '
+              'echo "not a library" > "$out"; exit 0')
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n'
+                      f'if [ "$1" = "--version" ]; then echo "{version} 1.0"; exit 0; fi\n{action}\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script, log
+
+
+def compiles(log: Path) -> int:
+    return sum(" -c " in line for line in log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_failed_build_is_remembered(monkeypatch, tmp_path):
+    """A broken compiler fails once; the failure is kept under the build's key, so the next call (and every later
+    process) falls back at once with the same error instead of compiling again."""
+    cc, log = fake_compiler(tmp_path, "brokencc", fail=True)
+    monkeypatch.setenv("CXX", str(cc))
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="planted failure"):
+        cpu_kernels.build(spinner=False)
+    n = compiles(log)
+    assert n > 0
+    markers = list((tmp_path / "cache" / "kernels").glob("*.failed"))
+    assert len(markers) == 1 and "planted failure" in markers[0].read_text()
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="planted failure.*an earlier build"):
+        cpu_kernels.build(spinner=False)
+    assert compiles(log) == n and time.perf_counter() - t0 < 5  # not compiled again
+    code = "from runtime import cpu_kernels as K; print(K.available(), K.status())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, CXX=str(cc), PINFER_CACHE_DIR=str(tmp_path / "cache")))
+    assert out.stdout.startswith("False torch kernels (") and "an earlier build" in out.stdout
+    assert compiles(log) == n
+
+
+def test_bogus_library_fails_the_smoke_test(monkeypatch, tmp_path):
+    """A library that cannot load (here: a compiler that writes garbage) never reaches the cache: the smoke test in a
+    subprocess rejects it and the failure is remembered."""
+    cc, log = fake_compiler(tmp_path, "garbagecc", fail=False)
+    monkeypatch.setenv("CXX", str(cc))
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="smoke test failed"):
+        cpu_kernels.build(spinner=False)
+    d = tmp_path / "cache" / "kernels"
+    assert not list(d.glob("*.so")) and len(list(d.glob("*.failed"))) == 1
+    with pytest.raises(RuntimeError, match="an earlier build"):
+        cpu_kernels.build(spinner=False)
+
+
+def test_smoke_test_crash_marks_the_build_bad(monkeypatch, tmp_path):
+    """A library with instructions this CPU lacks dies with SIGILL when used: in the smoke test's subprocess, not in
+    the caller (planted: the smoke command kills itself with SIGILL)."""
+    cc, _ = fake_compiler(tmp_path, "sigillcc", fail=False)
+    monkeypatch.setenv("CXX", str(cc))
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_smoke_cmd", lambda lib, ns: [
+        sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    with pytest.raises(RuntimeError, match=f"killed by signal {int(signal.SIGILL)}"):
+        cpu_kernels.build(spinner=False)
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
+
+
+def test_corrupt_cached_library_falls_back(tmp_path):
+    """A cached library that does not load (truncated, another machine's) means torch's kernels, not a crash."""
+    env = dict(os.environ, PINFER_CACHE_DIR=str(tmp_path))
+    key = subprocess.run([sys.executable, "-c", "from runtime import cpu_kernels as K; "
+                          "print(K.cache_key(K.march()))"], capture_output=True, text=True, env=env,
+                         check=True).stdout.strip()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / f"pinfer_cpu_{key}.so").write_bytes(b"\x7fELF truncated")
+    code = ("from runtime import cpu_kernels as K, sparse_ops as S; import torch;"
+            "w = S.pack_ffn(torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4), down_transposed=True, act='relu');"
+            "S.ffn_sparse(w, torch.randn(1, 4), torch.tensor([1, 2])); print(K.available(), K.status())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.startswith("False torch kernels (")
+
+
+def test_cache_key_follows_cpu_flags_and_march(monkeypatch, tmp_path):
+    """The key is the CPU's feature flags (not its model name: the same name can hide different ISAs, e.g. AVX-512
+    disabled in a VM) and the -march value."""
+    cpu = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Same CPU\nflags\t\t: {flags}\n"
+    keys = {}
+    for name, flags in (("a", "fpu sse2 avx2 avx512f"), ("b", "fpu sse2 avx2"), ("c", "fpu sse2 avx2 avx512f")):
+        f = tmp_path / name
+        f.write_text(cpu.format(flags=flags).replace("Same CPU", "Other name" if name == "c" else "Same CPU"))
+        monkeypatch.setattr(cpu_kernels, "CPUINFO", str(f))
+        assert cpu_kernels.cpu_flags().endswith(flags)
+        keys[name] = cpu_kernels.cache_key("native")
+    assert keys["a"] != keys["b"]  # same model name, different flags: different libraries
+    assert keys["a"] == keys["c"]  # same flags under another name: the same library
+    assert cpu_kernels.cache_key("x86-64-v3") != cpu_kernels.cache_key("native")
+    assert cpu_kernels.cache_key("native", "pinfer_other") != cpu_kernels.cache_key("native")
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    """$PINFER_CACHE_DIR, else an absolute $XDG_CACHE_HOME, else ~/.cache: an empty or relative XDG_CACHE_HOME never
+    puts the cache in the current directory."""
+    monkeypatch.delenv("PINFER_CACHE_DIR", raising=False)
+    home = Path.home() / ".cache" / "pinfer" / "kernels"
+    for xdg in ("", "relative/dir"):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert cpu_kernels.cache_dir() == home
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cpu_kernels.cache_dir() == home
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpu_kernels.cache_dir() == tmp_path / "pinfer" / "kernels"
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "p"))
+    assert cpu_kernels.cache_dir() == tmp_path / "p" / "kernels"
 
 
 def test_disabled_falls_back_to_torch(tmp_path):

@@ -15,6 +15,8 @@ import ctypes
 import mmap
 import os
 import platform
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -30,7 +32,8 @@ F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 TYPES = {"F32": F32, "F16": F16, "BF16": BF16, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 RTOL = 2e-5  # fp32 rounding of a dot product, relative to sum |w x| (q8 differs from fp32 by ~1e-4..1e-3 of it)
-BUILDS = ("runtime", "x86-64-v3", "x86-64")
+# $PINFER_TEST_BUILDS narrows the builds (a comma list of these three), e.g. to iterate on one instruction-set path
+BUILDS = tuple(os.environ.get("PINFER_TEST_BUILDS", "runtime,x86-64-v3,x86-64").split(","))
 
 
 # --- builds ----------------------------------------------------------------------------------------------------------
@@ -39,7 +42,8 @@ BUILDS = ("runtime", "x86-64-v3", "x86-64")
 def kernel_builds() -> dict:
     """The runtime's build (torch.ops.pinfer) and the AVX2 and portable builds, compiled in parallel on first use."""
     x86 = platform.machine() in ("x86_64", "AMD64")
-    marches = [m for m in ("x86-64-v3", "x86-64") if x86 and (m == "x86-64" or " avx2" in cpu_kernels.cpu_flags())]
+    marches = [m for m in ("x86-64-v3", "x86-64")
+               if m in BUILDS and x86 and (m == "x86-64" or " avx2" in cpu_kernels.cpu_flags())]
     with ThreadPoolExecutor(1) as pool:
         runtime = pool.submit(cpu_kernels.available)
         variants = cpu_kernels.load_variants(marches)
@@ -216,7 +220,21 @@ def test_qmatmul(ops, name, rows, cols, T):
     assert_dot_close(streaming, wref, x, t, block, "streaming")
     assert_dot_close(gemm, wref, x, t, False, "gemm")
     default = ops.qmatmul(xt, [w], [t])
-    assert torch.equal(default, streaming) or torch.equal(default, gemm)
+    assert torch.equal(default, streaming if T < ops.gemm_min_t() else gemm)
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("rows,cols,T", [(1, 1, 1), (7, 7, 2), (33, 33, 5), (257, 4100, 1), (7, 100, 17),
+                                         (33, 4100, 24), (9, 37, 100)])
+def test_qmatmul_float_types_any_width(ops, name, rows, cols, T):
+    """Float types take any row length: the tails after the last full vector (cols % 16 != 0) in both regimes."""
+    t = TYPES[name]
+    rng = np.random.default_rng(rows + cols + T + t)
+    raw = encode(rng, rows, cols, t)
+    w, wref = place(raw, 1 + cols % 63), decode(raw, t)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for gemm_min_t in (1 << 30, 1):
+        assert_dot_close(ops.qmatmul(torch.from_numpy(x), [w], [t], gemm_min_t), wref, x, t, False)
 
 
 @pytest.mark.parametrize("T", [1, 5, 100])
@@ -229,7 +247,7 @@ def test_qmatmul_fuses_matrices_of_mixed_types(ops, T):
     got = ops.qmatmul(torch.from_numpy(x), [place(r, 5 + i) for i, r in enumerate(raws)], [t for t, _ in mats])
     assert got.shape == (T, sum(r for _, r in mats))
     col = 0
-    streaming = T < 16  # the default regime at these token counts
+    streaming = T < ops.gemm_min_t()  # the default regime
     for (t, r), raw in zip(mats, raws, strict=True):
         assert_dot_close(got[:, col:col + r], decode(raw, t), x, t, t in BLOCK_BYTES and streaming)
         col += r
@@ -303,7 +321,7 @@ def pick(kind: str, n_ff: int, rng) -> np.ndarray | None:
 @pytest.mark.parametrize("name", TYPES)
 def test_qffn_sparse(ops, name, act):
     t = TYPES[name]
-    for n_ff, d in ((33, 96), (7, 160), (257, 4128)):
+    for n_ff, d in ((33, 96), (7, 160), (257, 4128)) + (((9, 37),) if t not in BLOCK_BYTES else ()):
         rng = np.random.default_rng(n_ff + d + t + act)
         raws = [encode(rng, n_ff, d, t, 0.3) for _ in range(3)]
         g, u, dn = (decode(r, t) for r in raws)
@@ -365,38 +383,50 @@ def guarded_rows(raw: np.ndarray, readable: np.ndarray) -> tuple[torch.Tensor, m
     return t, mem
 
 
-@pytest.mark.parametrize("act", [1, 2, 3, 0])
-def test_qffn_sparse_never_reads_dead_rows(ops, act):
-    """Gate-first: for ReLU, dReLU, CATS-SwiGLU (gate row decides) and gate-less ReLU (up row decides), the other
-    rows of a neuron whose activation is 0 for every token, or that every token masks out, are never read: their
-    pages are unreadable here."""
-    rng = np.random.default_rng(act)
-    n_ff, d, T, t = 64, 256, 3, Q4_0
-    raws = [encode(rng, n_ff, d, t, 0.3) for _ in range(3)]
-    g, u, dn = (decode(r, t) for r in raws)
-    x = rng.standard_normal((T, d)).astype(np.float32)
-    mask = np.ones((T, n_ff), bool)
-    mask[:, 5] = False  # neuron 5: masked out for every token
-    first = q8(x)[0] @ (g if act != 3 else u).T  # the deciding pre-activations [T, n_ff]
-    cats = float(np.quantile(np.abs(silu(first)), 0.6)) if act == 0 else 0.0
-    if act == 0:
-        dead = np.all(np.abs(silu(first)) < cats * 0.999, axis=0)
+def dead_rows_check(build: str) -> None:
+    """Gate-first, for ReLU, dReLU, CATS-SwiGLU (the gate row decides) and gate-less ReLU (the up row decides): the
+    other rows of a neuron whose activation is 0 for every token, or that every token masks out, are never read: their
+    pages are unreadable here, so a read kills the process (run in a subprocess by the test below)."""
+    if build == "runtime":
+        assert cpu_kernels.available(), cpu_kernels.status()
+        ops = torch.ops.pinfer
     else:
-        dead = np.all(first < -1e-3, axis=0)
-    dead |= ~mask.any(0)
-    assert 5 < dead.sum() < n_ff - 5
-    gate = place(raws[0], 1) if act != 3 else None
-    if act == 3:
-        up, keep_up = place(raws[1], 1), None
-    else:
-        up, keep_up = guarded_rows(raws[1], ~dead)
-    down, keep_down = guarded_rows(raws[2], ~dead)
-    y, count = ops.qffn_sparse(torch.from_numpy(x), gate, t, up, t, down, t, None, torch.from_numpy(mask), act, None,
-                               cats)
-    ref = ffn_reference(x, g if act != 3 else None, u, dn, np.arange(n_ff), act, mask, None, cats, True, True)
-    assert np.all(np.abs(y.numpy() - ref["y"]) <= ref["tol"])
-    assert abs(count - ref["nonzero"]) <= ref["near"]
-    del keep_up, keep_down
+        ops = cpu_kernels.load_variants([build])[build]
+    for act in (1, 2, 3, 0):
+        rng = np.random.default_rng(act)
+        n_ff, d, T, t = 64, 256, 3, Q4_0
+        raws = [encode(rng, n_ff, d, t, 0.3) for _ in range(3)]
+        g, u, dn = (decode(r, t) for r in raws)
+        x = rng.standard_normal((T, d)).astype(np.float32)
+        mask = np.ones((T, n_ff), bool)
+        mask[:, 5] = False  # neuron 5: masked out for every token
+        first = q8(x)[0] @ (g if act != 3 else u).T  # the deciding pre-activations [T, n_ff]
+        cats = float(np.quantile(np.abs(silu(first)), 0.6)) if act == 0 else 0.0
+        dead = np.all(np.abs(silu(first)) < cats * 0.999, axis=0) if act == 0 else np.all(first < -1e-3, axis=0)
+        dead |= ~mask.any(0)
+        assert 5 < dead.sum() < n_ff - 5
+        gate = place(raws[0], 1) if act != 3 else None
+        up, keep_up = (place(raws[1], 1), None) if act == 3 else guarded_rows(raws[1], ~dead)
+        down, keep_down = guarded_rows(raws[2], ~dead)
+        y, count = ops.qffn_sparse(torch.from_numpy(x), gate, t, up, t, down, t, None, torch.from_numpy(mask), act,
+                                   None, cats)
+        ref = ffn_reference(x, g if act != 3 else None, u, dn, np.arange(n_ff), act, mask, None, cats, True, True)
+        assert np.all(np.abs(y.numpy() - ref["y"]) <= ref["tol"]), act
+        assert abs(count - ref["nonzero"]) <= ref["near"], act
+        del keep_up, keep_down
+    print("ok")
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_qffn_sparse_never_reads_dead_rows(kernel_builds, build):
+    if build not in kernel_builds:
+        pytest.skip(f"-march={build} cannot run on this CPU")
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('tq', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); m.dead_rows_check(sys.argv[2])")
+    res = subprocess.run([sys.executable, "-c", code, __file__, build], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0 and res.stdout.strip() == "ok", (
+        f"exit {res.returncode} (-11: a read of a dead neuron's row): {res.stderr[-2000:]}")
 
 
 def test_qffn_sparse_rejects_bad_arguments(ops):
@@ -481,11 +511,11 @@ def test_norms(ops, T, d):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("neox", [False, True])
-@pytest.mark.parametrize("H,Hkv,pos", [(4, 4, 0), (8, 2, 37), (6, 1, 299)])
-def test_attend_decode(ops, dtype, neox, H, Hkv, pos):
+@pytest.mark.parametrize("H,Hkv,pos,D", [(4, 4, 0, 32), (8, 2, 37, 40), (6, 1, 299, 64)])
+def test_attend_decode(ops, dtype, neox, H, Hkv, pos, D):
     """RoPE (adjacent or NeoX pairs) + cache write + attention against float64, for float32 and float16 caches."""
     gen = torch.Generator().manual_seed(pos * 7 + H + neox)
-    D, ctx = 32, 320
+    ctx = 320
     k_cache = (torch.randn(Hkv, ctx, D, generator=gen) * 3).to(dtype)
     v_cache = torch.randn(Hkv, ctx, D, generator=gen).to(dtype)
     qkv = torch.randn(1, (H + 2 * Hkv) * D, generator=gen) * 3

@@ -8,10 +8,25 @@
 // L1 for the following ones (4 rows of a 4096-wide Q4_0 matrix are 9 KB), so a weight byte crosses DRAM once per call.
 // Several rows in flight also make several DRAM streams per core: the sparse FFN's rows are scattered, and one row at
 // a time per thread reads them at half the bandwidth (measured on the fp32 kernel: 4 streams 18 GB/s, 8 streams
-// 23 GB/s, 16 no better than 8).
+// 23 GB/s, 16 no better than 8; Q4_0 GEMV, one core: 4 rows 7.5 GB/s, 8 rows 8.9, 12 rows 9.6 with spills, and once
+// the next rows are prefetched (quant.h) 8 rows 12.4, 12 rows 11.4).
 #include "kernels.h"
 
 namespace pinfer {
+
+namespace {
+
+struct F16Table {
+  float v[65536];
+  F16Table() {
+    for (uint32_t h = 0; h < 65536; ++h) v[h] = f16_to_f32((uint16_t)h);
+  }
+};
+const F16Table table;  // built when the library loads
+
+}  // namespace
+
+const float* const f16_table = table.v;
 
 namespace {
 
@@ -27,69 +42,97 @@ constexpr int F_R1 = 4, F_R = 2, F_C = 4;
 #endif
 
 template <int TY, int R, int C>
-inline void tile(const uint8_t* const* rows, const Acts& a, int64_t t0, float* out, int64_t os) {
+inline void tile(const uint8_t* const* rows, const Acts& a, int64_t t0, float* out, int64_t os,
+                 const uint8_t* const* nxt) {
   if constexpr (is_block(TY))
-    qtile<TY, R, C>(rows, a.q.data() + t0, a.n / QK, out, os);
+    qtile<TY, R, C>(rows, a.q.data() + t0, a.n / QK, out, os, nxt);
   else
-    ftile<TY, R, C>(rows, a.f.data() + t0, a.n, out, os);
+    ftile<TY, R, C>(rows, a.f.data() + t0, a.n, out, os, nxt);
 }
 
-// R rows against every token, CMAX tokens per tile (CMAX <= 4)
+// R rows against every token, CMAX tokens per tile (CMAX <= 4); the first token tile also prefetches the next R
+// rows (nxt, into L2) in step with its own, so scattered rows start streaming one group early
 template <int TY, int R, int CMAX>
-void row_group(const uint8_t* const* rows, const Acts& a, float* out, int64_t os) {
+void row_group(const uint8_t* const* rows, const Acts& a, float* out, int64_t os, const uint8_t* const* nxt) {
   int64_t t0 = 0;
-  for (; t0 + CMAX <= a.T; t0 += CMAX) tile<TY, R, CMAX>(rows, a, t0, out + t0 * os, os);
+  for (; t0 + CMAX <= a.T; t0 += CMAX) tile<TY, R, CMAX>(rows, a, t0, out + t0 * os, os, t0 == 0 ? nxt : nullptr);
+  const uint8_t* const* nx = t0 == 0 ? nxt : nullptr;
   switch (a.T - t0) {
-    case 1: tile<TY, R, 1>(rows, a, t0, out + t0 * os, os); break;
-    case 2: if constexpr (CMAX > 2) tile<TY, R, 2>(rows, a, t0, out + t0 * os, os); break;
-    case 3: if constexpr (CMAX > 3) tile<TY, R, 3>(rows, a, t0, out + t0 * os, os); break;
+    case 1: tile<TY, R, 1>(rows, a, t0, out + t0 * os, os, nx); break;
+    case 2: if constexpr (CMAX > 2) tile<TY, R, 2>(rows, a, t0, out + t0 * os, os, nx); break;
+    case 3: if constexpr (CMAX > 3) tile<TY, R, 3>(rows, a, t0, out + t0 * os, os, nx); break;
     default: break;
   }
 }
 
 template <int TY, int R, int CMAX>
-void rows_by(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os) {
+void rows_by(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os, const uint8_t* const* next,
+             int64_t n_next) {
+  // the R rows after group i, from rows and then from next (the caller's next rows), repeating the last one
+  auto after = [&](int64_t i, const uint8_t** nx) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t j = i + R + r;
+      nx[r] = j < n ? rows[j] : (j - n < n_next ? next[j - n] : (n_next ? next[n_next - 1] : rows[n - 1]));
+    }
+  };
+  const uint8_t* nx[R];
   int64_t i = 0;
-  for (; i + R <= n; i += R) row_group<TY, R, CMAX>(rows + i, a, out + i, os);
+  for (; i + R <= n; i += R) {
+    after(i, nx);
+    row_group<TY, R, CMAX>(rows + i, a, out + i, os, nx);
+  }
   if (i == n) return;
   // the last rows: padded with copies of the last one (read from cache), their results dropped
   const uint8_t* pad[R];
   for (int r = 0; r < R; ++r) pad[r] = rows[std::min<int64_t>(i + r, n - 1)];
   thread_local std::vector<float> tmp;
   tmp.resize(R * a.T);
-  row_group<TY, R, CMAX>(pad, a, tmp.data(), R);
+  after(i, nx);
+  row_group<TY, R, CMAX>(pad, a, tmp.data(), R, nx);
   for (int64_t t = 0; t < a.T; ++t)
     for (int64_t r = 0; r < n - i; ++r) out[t * os + i + r] = tmp[t * R + r];
 }
 
 template <int TY>
-void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os) {
+void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
+                const uint8_t* const* next, int64_t n_next) {
   if constexpr (is_block(TY)) {
     if (a.T == 1)
-      rows_by<TY, Q_R1, 1>(rows, n, a, out, os);
+      rows_by<TY, Q_R1, 1>(rows, n, a, out, os, next, n_next);
     else
-      rows_by<TY, Q_R, Q_C>(rows, n, a, out, os);
+      rows_by<TY, Q_R, Q_C>(rows, n, a, out, os, next, n_next);
   } else {
     if (a.T == 1)
-      rows_by<TY, F_R1, 1>(rows, n, a, out, os);
+      rows_by<TY, F_R1, 1>(rows, n, a, out, os, next, n_next);
     else
-      rows_by<TY, F_R, F_C>(rows, n, a, out, os);
+      rows_by<TY, F_R, F_C>(rows, n, a, out, os, next, n_next);
   }
 }
 
 template <int TY>
 void axpy_rows_t(const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y, int64_t ys,
-                 int64_t o0, int64_t o1) {
+                 int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next) {
+  // each pass prefetches the rows of the following pass (or the caller's next rows) in step with its own
+  const uint8_t* nx[AXPY_R];
+  auto after = [&](int64_t i) -> const uint8_t* const* {
+    if (i + AXPY_R >= n && n_next == 0) return nullptr;
+    for (int r = 0; r < AXPY_R; ++r) {
+      const int64_t j = i + AXPY_R + r;
+      nx[r] = j < n ? rows[j] : n_next > 0 ? next[std::min(j - n, n_next - 1)] : rows[n - 1];
+    }
+    return nx;
+  };
   int64_t i = 0;
-  for (; i + AXPY_R <= n; i += AXPY_R) axpy_tile<TY, AXPY_R>(rows + i, h + i, hs, T, y, ys, o0, o1);
+  for (; i + AXPY_R <= n; i += AXPY_R) axpy_tile<TY, AXPY_R>(rows + i, h + i, hs, T, y, ys, o0, o1, after(i));
+  const uint8_t* const* tail = n - i > 0 ? after(i) : nullptr;
   switch (n - i) {
-    case 1: axpy_tile<TY, 1>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 2: axpy_tile<TY, 2>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 3: axpy_tile<TY, 3>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 4: if constexpr (AXPY_R > 4) axpy_tile<TY, 4>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 5: if constexpr (AXPY_R > 5) axpy_tile<TY, 5>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 6: if constexpr (AXPY_R > 6) axpy_tile<TY, 6>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
-    case 7: if constexpr (AXPY_R > 7) axpy_tile<TY, 7>(rows + i, h + i, hs, T, y, ys, o0, o1); break;
+    case 1: axpy_tile<TY, 1>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 2: axpy_tile<TY, 2>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 3: axpy_tile<TY, 3>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 4: if constexpr (AXPY_R > 4) axpy_tile<TY, 4>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 5: if constexpr (AXPY_R > 5) axpy_tile<TY, 5>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 6: if constexpr (AXPY_R > 6) axpy_tile<TY, 6>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 7: if constexpr (AXPY_R > 7) axpy_tile<TY, 7>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
     default: break;
   }
 }
@@ -126,13 +169,14 @@ void Acts::prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool n
   }
 }
 
-void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride) {
-  if (n > 0 && a.T > 0) PINFER_BY_TYPE(type, dot_rows_t, rows, n, a, out, ostride)
+void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
+              const uint8_t* const* next, int64_t n_next) {
+  if (n > 0 && a.T > 0) PINFER_BY_TYPE(type, dot_rows_t, rows, n, a, out, ostride, next, n_next)
 }
 
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
-               int64_t ys, int64_t o0, int64_t o1) {
-  if (n > 0 && T > 0 && o1 > o0) PINFER_BY_TYPE(type, axpy_rows_t, rows, n, h, hs, T, y, ys, o0, o1)
+               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next) {
+  if (n > 0 && T > 0 && o1 > o0) PINFER_BY_TYPE(type, axpy_rows_t, rows, n, h, hs, T, y, ys, o0, o1, next, n_next)
 }
 
 void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out) {

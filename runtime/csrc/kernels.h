@@ -11,7 +11,7 @@
 
 namespace pinfer {
 
-// --- torch_bridge.cpp -------------------------------------------------------------------------------------------------
+// --- torch_bridge.cpp ------------------------------------------------------------------------------------------------
 int num_threads();  // torch.get_num_threads()
 int thread_num();   // this thread's index inside parallel_for, 0..num_threads()-1
 // at::parallel_for: [begin, end) cut into at most num_threads() contiguous chunks of at least `grain`
@@ -21,7 +21,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function
 void sgemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
               int64_t ldc);
 
-// --- dot products of weight rows with T tokens (dot.cpp) ---------------------------------------------------------------
+// --- dot products of weight rows with T tokens (dot.cpp) -------------------------------------------------------------
 // The activations of one call: fp32 rows for float weight types, and their q8 blocks for block types (made once).
 struct Acts {
   const float* x = nullptr;  // [T, n], row stride ldx
@@ -32,23 +32,40 @@ struct Acts {
   void prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool need_q8);
 };
 // out[t * ostride + i] = rows[i] . token t, for n rows of one type (any count; T any), on the calling thread.
-// Rows are streamed several side by side (see dot.cpp).
-void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride);
-// y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0)
+// Rows are streamed several side by side (see dot.cpp); next[0..n_next) are rows the caller reads after these (any
+// type): prefetched into L2 while the last groups compute (past the end of a shorter row is harmless: prefetches never
+// fault).
+void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
+              const uint8_t* const* next = nullptr, int64_t n_next = 0);
+// y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0);
+// next: as for dot_rows
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
-               int64_t ys, int64_t o0, int64_t o1);
+               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next = nullptr, int64_t n_next = 0);
 // rows [n] of a matrix as floats: out [n, cols]; ids == nullptr: rows 0..n-1
 void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out);
 // one row as floats, on the calling thread
 void row_to_f32(int type, const uint8_t* row, int64_t n, float* out);
 
-// --- matmul.cpp --------------------------------------------------------------------------------------------------------
+// --- matmul.cpp ------------------------------------------------------------------------------------------------------
 // y [T, sum of rows] = x [T, K] . W_i^T for each matrix, outputs side by side. T < gemm_min_t: streaming GEMV tiles on
 // the stored bytes (q8 activations for block types); otherwise tiles of rows dequantised to fp32 and torch's GEMM.
 void qmatmul(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, float* y, int64_t gemm_min_t);
-constexpr int64_t GEMM_MIN_T = 16;  // measured, see matmul.cpp
+// Tokens from which qmatmul dequantises tiles for torch's sgemm instead of streaming tiles on the stored bytes.
+// Measured (one core, CPU time, a 1024 x 4096 matrix; benchmarks/kernels.py --crossover for 2 threads): the
+// AVX-512+VNNI tiles run Q4_0/Q8_0 at ~82 GFLOP/s and F16 at ~99 for any T; sgemm on dequantised tiles 63 at T=32, 77
+// at 48, 95 at 64, 110 at 96 (Q4_0; F16 catches up at ~80). The AVX2 tiles run at ~61; sgemm restricted to AVX2
+// (MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AVX2-only CPU) 53 at T=32, 61 at 48, 62 at 64, 70 at 128. Portable tiles
+// are scalar (10 GFLOP/s): sgemm wins from 4. At equal speed the GEMM is preferred: it is exact in fp32, the tiles
+// use q8 activations.
+#if defined(PINFER_AVX512)
+constexpr int64_t GEMM_MIN_T = 64;
+#elif defined(PINFER_AVX2)
+constexpr int64_t GEMM_MIN_T = 48;
+#else
+constexpr int64_t GEMM_MIN_T = 4;
+#endif
 
-// --- sparse_ffn.cpp ----------------------------------------------------------------------------------------------------
+// --- sparse_ffn.cpp --------------------------------------------------------------------------------------------------
 enum Act : int { SWIGLU = 0, REGLU = 1, DRELU = 2, RELU_NOGATE = 3, GELU_NOGATE = 4 };
 struct FFN {
   const float* x = nullptr;  // [T, d]
@@ -66,20 +83,20 @@ struct FFN {
 // activation is not zero
 int64_t ffn_sparse(const FFN& f, float* y);
 
-// --- predictor.cpp -----------------------------------------------------------------------------------------------------
+// --- predictor.cpp ---------------------------------------------------------------------------------------------------
 // PowerInfer's predictor for one token x [d]: the ascending indices i with (fc2 relu(fc1 x))[i] >= threshold, merged
 // with always[0..n_always). fc2 is [n_ff, r] as stored, or (fc2_transposed) [r, n_ff], in which case the second layer
 // is an axpy over the rows of the hidden units that ReLU keeps.
 std::vector<int64_t> predict_active(const float* x, const Mat& fc1, const Mat& fc2, bool fc2_transposed,
                                     float threshold, const int64_t* always, int64_t n_always);
 
-// --- attention.cpp -----------------------------------------------------------------------------------------------------
+// --- attention.cpp ---------------------------------------------------------------------------------------------------
 // One token's RoPE + KV-cache write + attention (see attention.cpp). Cache element type: float or uint16_t (IEEE half).
 template <typename KV>
 void attend_decode(const float* qkv, const float* rope, KV* k_cache, KV* v_cache, int64_t ctx, int64_t D, int64_t pos,
                    int64_t H, int64_t Hkv, float scale, bool neox, float* out);
 
-// --- norm.cpp ----------------------------------------------------------------------------------------------------------
+// --- norm.cpp --------------------------------------------------------------------------------------------------------
 void rms_norm(const float* x, const float* w, int64_t T, int64_t d, float eps, float* y);
 void layer_norm(const float* x, const float* w, const float* b, int64_t T, int64_t d, float eps, float* y);
 

@@ -5,19 +5,23 @@
 // (AVX-512), for several a 4-row x 4-token tile whose rows stay in L1 across the token tiles, so every weight byte
 // crosses DRAM once per call. Block types use q8 activations (quant.h says why), quantised once per call.
 //
-// Prefill (T >= gemm_min_t): compute-bound. Per thread, tiles of GEMM_TILE rows are dequantised to fp32 into a
-// per-thread buffer that stays in L2 (64 rows x 4096 = 1 MB) and multiplied by torch's single-threaded sgemm (MKL):
-// the whole matrix is never dequantised, and the result is exact in fp32 (no q8 rounding of the activations).
-// Measured on this machine (Xeon, AVX-512, 2 threads; benchmarks/kernels.py): MKL sgemm on a 64-row tile runs at
-// ~130 GFLOP/s per core while the int8 VNNI tiles of the decode path reach less than half of that at T = 512, and
-// the dequantisation is ~1% of the GEMM at T = 512. The crossover (GEMM_MIN_T in kernels.h) is measured too.
+// Prefill (T >= gemm_min_t): compute-bound. Per thread, tiles of up to GEMM_TILE rows are dequantised to fp32 into a
+// per-thread buffer and multiplied by torch's single-threaded sgemm (MKL): the whole matrix is never dequantised, and
+// the result is exact in fp32 (no q8 rounding of the activations). Measured on this machine (Xeon, AVX-512 + VNNI,
+// CPU time): MKL sgemm reaches ~130 GFLOP/s per core at T = 512 for every type (the dequantisation is ~1% of it),
+// while the int8 tiles reach ~80 (Q4_0, Q8_0) and the F16 tiles ~95 at any T; on the AVX2 build the tiles reach ~60.
+// The crossover is GEMM_MIN_T (kernels.h).
 #include "kernels.h"
 
 namespace pinfer {
 
 namespace {
 
-constexpr int64_t GEMM_TILE = 64;  // rows per dequantised tile: MKL's single-thread sgemm is fastest here on N <= 64
+// Rows per dequantised tile, at most: each sgemm call packs x again, so tiles should be large; 256 rows of 4096 are a
+// 4 MB buffer per thread. Measured (4096 x 11008, T = 512, 2 threads): tiles of 64 rows 200 GFLOP/s, 128 234, 256
+// 245-259, 512 256, torch's mm on a dequantised copy 250-275. Small matrices get smaller tiles, two per thread at
+// least.
+constexpr int64_t GEMM_TILE = 256;
 
 // Rows per parallel chunk: an even share per thread, in whole 8-row groups, and at least 64 KB of weights (below
 // that a fork/join of the thread pool costs more than the stream).
@@ -30,14 +34,16 @@ int64_t row_grain(int64_t N, int64_t bytes_per_row) {
 void gemm_tiles(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, const std::vector<int64_t>& off,
                 float* y, int64_t N) {
   struct Tile { int64_t m, r0, nr; };
+  const int64_t nt = num_threads();
+  const int64_t tile = std::min<int64_t>(GEMM_TILE, std::max<int64_t>(16, (N + 2 * nt - 1) / (2 * nt) + 15) / 16 * 16);
   std::vector<Tile> tiles;
   for (size_t m = 0; m < ws.size(); ++m)
-    for (int64_t r0 = 0; r0 < ws[m].rows; r0 += GEMM_TILE)
-      tiles.push_back({(int64_t)m, r0, std::min(GEMM_TILE, ws[m].rows - r0)});
-  const int64_t n = (int64_t)tiles.size(), nt = num_threads();
+    for (int64_t r0 = 0; r0 < ws[m].rows; r0 += tile)
+      tiles.push_back({(int64_t)m, r0, std::min(tile, ws[m].rows - r0)});
+  const int64_t n = (int64_t)tiles.size();
   parallel_for(0, n, (n + nt - 1) / nt, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> buf;
-    buf.resize(GEMM_TILE * K);
+    buf.resize(tile * K);
     for (int64_t i = b; i < e; ++i) {
       const Tile& t = tiles[i];
       const Mat& w = ws[t.m];

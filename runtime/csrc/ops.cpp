@@ -15,8 +15,9 @@
 //
 // qmatmul(Tensor x, Tensor[] weights, int[] types, int gemm_min_t=-1) -> Tensor
 //     x [T, in]; weights[i] [out_i, row_bytes_i] with `in` columns each -> y [T, sum out_i], the outputs side by
-//     side (Q, K, V as one call). T < gemm_min_t (-1: the built-in 16): streaming GEMV tiles on the stored bytes
-//     (q8 activations for block types); otherwise tiles of 64 rows dequantised to fp32 + torch's sgemm (exact fp32).
+//     side (Q, K, V as one call). T < gemm_min_t (-1: this build's measured crossover, gemm_min_t() below):
+//     streaming tiles on the stored bytes (q8 activations for block types); otherwise tiles of <= 256 rows
+//     dequantised to fp32 + torch's single-threaded sgemm per thread (exact fp32).
 // qffn_sparse(Tensor x, Tensor? gate, int gate_type, Tensor up, int up_type, Tensor down_t, int down_type,
 //             Tensor? idx, Tensor? row_mask, int act, Tensor? up_bias, float cats_threshold) -> (Tensor, int)
 //     The FFN of x [T, d] (T <= ~24) over the neurons idx (int64 [k], any order, no duplicates; None = all):
@@ -44,6 +45,7 @@
 //     One token's RoPE + cache write + attention (attention.cpp); caches [n_head_kv, ctx, head_dim], float32 or
 //     float16 (both the same). neox: rotary pairs (i, i + D/2) instead of (2i, 2i+1).
 // isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
+// gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -122,7 +124,8 @@ std::tuple<at::Tensor, int64_t> qffn_sparse_op(const at::Tensor& x, const std::o
                                                const std::optional<at::Tensor>& up_bias, double cats) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x: [T, d]");
-  TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE, "act: 0 SwiGLU, 1 ReGLU, 2 dReLU, 3 ReLU (no gate), 4 GELU (no gate)");
+  TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE,
+              "act: 0 SwiGLU, 1 ReGLU, 2 dReLU, 3 ReLU (no gate), 4 GELU (no gate)");
   const bool gated = act <= DRELU;
   TORCH_CHECK(gated == gate.has_value(), gated ? "act 0-2 need a gate matrix" : "act 3-4 are gate-less: gate=None");
   TORCH_CHECK(cats >= 0 && (cats == 0 || act == SWIGLU), "cats_threshold: >= 0, and only for SwiGLU (act 0)");
@@ -284,6 +287,7 @@ at::Tensor attend_decode_op(const at::Tensor& qkv, const at::Tensor& rope, at::T
 }
 
 std::string isa_op() { return isa_name(); }
+int64_t gemm_min_t_op() { return GEMM_MIN_T; }
 
 }  // namespace
 
@@ -308,4 +312,5 @@ TORCH_LIBRARY(PINFER_NS, m) {
         "int n_head_kv, float scale, bool neox=False) -> Tensor",
         &attend_decode_op);
   m.def("isa() -> str", &isa_op);
+  m.def("gemm_min_t() -> int", &gemm_min_t_op);
 }
