@@ -22,7 +22,7 @@ VOCAB = 300
 FALCON_CASES = {
     "7b_mqa_gelu": dict(new_arch=False, multi_query=True, n_kv=None, act="gelu", tied=True),
     "7b_mqa_relu": dict(new_arch=False, multi_query=True, n_kv=None, act="relu", tied=False),
-    "40b_gqa_relu": dict(new_arch=True, multi_query=True, n_kv=2, act="relu", tied=False),
+    "40b_gqa_relu": dict(new_arch=True, multi_query=True, n_kv=2, act="relu", tied=False, eps=1e-3),
     "40b_gqa_gelu": dict(new_arch=True, multi_query=True, n_kv=2, act="gelu", tied=True),
     "mha_relu_bias": dict(new_arch=False, multi_query=False, n_kv=4, act="relu", tied=False, bias=True),
 }
@@ -48,7 +48,7 @@ def make_falcon(case: str, seed: int = 0, n_layer: int = 2, d: int = 64, n_head:
         vocab_size=VOCAB, hidden_size=d, num_hidden_layers=n_layer, num_attention_heads=n_head,
         num_kv_heads=c["n_kv"], new_decoder_architecture=c["new_arch"], multi_query=c["multi_query"],
         parallel_attn=True, bias=c.get("bias", False), activation=c["act"], ffn_hidden_size=n_ff,
-        layer_norm_epsilon=1e-5, max_position_embeddings=256, tie_word_embeddings=c["tied"],
+        layer_norm_epsilon=c.get("eps", 1e-5), max_position_embeddings=256, tie_word_embeddings=c["tied"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     return _widen(transformers.FalconForCausalLM(hcfg), seed)
 

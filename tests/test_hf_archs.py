@@ -129,7 +129,8 @@ CORPUS = ["Hello world! The quick brown fox jumps over the lazy dog.", "def f(x)
           "  leading spaces\tand tabs\n\nnewlines", "don't can't won't it's we're they've I'm you'll he'd"] * 20
 TRICKY = ["Hello world", " leading space", "trailing space ", "multiple   spaces\there", "line\nbreaks\r\n\n",
           "don't STOP it's", "12345678 1.5e-3 $100", "Ünïcödé 🙂 日本語 ñ", "a+b=c; <tag> ~x^y | `code`",
-          "", " ", "\n\n\n", "x" * 50, "éé éé"]
+          "", " ", "\n\n\n", "x" * 50, "éé éé",
+          "2024 1999 123456789 31415926"]  # Falcon's digit groups of three: a GPT-2 split merges across them
 
 
 def train_bpe(pre) -> Tokenizer:
