@@ -12,8 +12,11 @@ from . import constants as C
 from .errors import PinferError
 from .reader import GGUFFile
 
-SUPPORTED_ARCHS = ("llama", "bamboo")
+SUPPORTED_ARCHS = ("llama", "bamboo", "falcon", "opt")
 FFN_ACTIVATIONS = ("silu", "relu", "drelu")  # SwiGLU, ReGLU (relu gate * up), dReLU (relu gate * relu up)
+# Falcon and OPT have no gate: the FFN is down(act(up x + b_up)) + b_down, ReLU (ReluFalcon, OPT) or GELU (Falcon).
+GATELESS_ARCHS = ("falcon", "opt")
+GATELESS_ACTIVATIONS = ("relu", "gelu")
 
 
 @dataclass
@@ -41,8 +44,33 @@ class ModelConfig:
             self.head_dim = self.n_embd // self.n_head
         if self.n_head % self.n_head_kv:
             raise PinferError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
-        if self.ffn_act not in FFN_ACTIVATIONS:
-            raise PinferError(f"unknown FFN activation '{self.ffn_act}' (expected one of {', '.join(FFN_ACTIVATIONS)})")
+        allowed = FFN_ACTIVATIONS if self.gated else GATELESS_ACTIVATIONS
+        if self.ffn_act not in allowed:
+            raise PinferError(f"unknown FFN activation '{self.ffn_act}' for architecture {self.arch} (expected one of "
+                              f"{', '.join(allowed)})")
+
+    # What sets the architectures apart, as the runtime needs it (llama.cpp's graphs for llama, falcon; PowerInfer's
+    # for opt; REFERENCE.md 2b).
+    @property
+    def gated(self) -> bool:
+        """The FFN has a gate matrix (llama, bamboo); Falcon and OPT compute act(up x + b) alone."""
+        return self.arch not in GATELESS_ARCHS
+
+    @property
+    def layer_norm(self) -> bool:
+        """LayerNorm with bias (Falcon, OPT) instead of RMSNorm."""
+        return self.arch in GATELESS_ARCHS
+
+    @property
+    def rope(self) -> str:
+        """Rotary pairs: "normal" (llama GGUF: adjacent (2i, 2i+1)), "neox" (Falcon: (i, i + head_dim/2)), or "none"
+        (OPT: learned absolute positions added to the embeddings instead)."""
+        return {"falcon": "neox", "opt": "none"}.get(self.arch, "normal")
+
+    @property
+    def parallel(self) -> bool:
+        """Falcon's parallel block: attention and FFN read normed copies of the same input, both add to it."""
+        return self.arch == "falcon"
 
     @property
     def is_relu(self) -> bool:
@@ -51,7 +79,7 @@ class ModelConfig:
     @property
     def n_params(self) -> int:
         attn = self.n_embd * self.head_dim * (2 * self.n_head + 2 * self.n_head_kv)
-        ffn = 3 * self.n_embd * self.n_ff
+        ffn = (3 if self.gated else 2) * self.n_embd * self.n_ff
         emb = self.vocab_size * self.n_embd * (1 if self.tied_embeddings else 2)
         return self.n_layer * (attn + ffn + 2 * self.n_embd) + emb + self.n_embd
 
@@ -61,19 +89,21 @@ def detect_ffn_activation(f: GGUFFile) -> str:
 
     PowerInfer's ReLU llama files (ReluLLaMA, ProSparse) keep architecture "llama", so the architecture alone does
     not tell SwiGLU from ReGLU. In order of evidence: an explicit pinfer.ffn_activation key; the bamboo architecture
-    (dReLU); predictor tensors or the PWRI magic (PowerInfer only serves ReLU models); a model name that says ReLU or
-    ProSparse. Otherwise it is the standard SwiGLU.
+    (dReLU); opt (ReLU); predictor tensors or the PWRI magic (PowerInfer only serves ReLU models); a model name that
+    says ReLU or ProSparse. Otherwise it is the standard SwiGLU, or GELU for falcon.
     """
     explicit = f.get(C.FFN_ACTIVATION)
     if isinstance(explicit, str) and explicit:
         return explicit
     if f.architecture == "bamboo":
         return "drelu"
+    if f.architecture == "opt":  # every OPT is ReLU (HF's activation_function)
+        return "relu"
     if f.is_powerinfer or f.has(C.tensor(C.PRED_FC1, 0)):
         return "relu"
     if re.search(r"relu|prosparse", str(f.get(C.NAME, "")), re.IGNORECASE):
         return "relu"
-    return "silu"
+    return "gelu" if f.architecture == "falcon" else "silu"  # the original Falcon's FFN is GELU
 
 
 def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
@@ -124,7 +154,26 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
     if scaling == "linear" or scaling is None:
         factor = C.ROPE_SCALING_FACTOR if f.arch_get(C.ROPE_SCALING_FACTOR) is not None else C.ROPE_SCALE_LINEAR
         rope_scale = num(factor, 1.0, float)
+    n_rot = num(C.ROPE_DIMENSION_COUNT, head_dim)
+    if arch != "opt" and n_rot != head_dim:
+        raise PinferError(f"{f.path}: rope over {n_rot} of {head_dim} head dimensions (partial rotary) is not "
+                          f"supported")
+    layout = f.arch_get(C.TENSOR_DATA_LAYOUT)
+    if arch == "falcon" and layout not in (None, "jploski"):
+        raise PinferError(f"{f.path}: falcon tensor data layout '{layout}' is not supported (only llama.cpp's "
+                          f"'jploski': attn_qkv as [all q | all k | all v])")
 
+    n_ctx = num(C.CONTEXT_LENGTH, 4096)
+    if arch == "opt":  # learned positions: the table's rows bound the context (PowerInfer writes 2050 = 2048 + 2)
+        if C.POS_EMBD not in f.tensors:
+            raise PinferError(f"{f.path}: opt model without {C.POS_EMBD}; the file is incomplete")
+        n_ctx = min(n_ctx, f.info(C.POS_EMBD).shape[0] - C.OPT_POS_OFFSET)
+        emb = f.info(C.TOKEN_EMBD).shape if C.TOKEN_EMBD in f.tensors else (0, n_embd)
+        if emb[-1] != n_embd:  # OPT-350m: word_embed_proj_dim 512 with project_in / project_out around the decoder
+            raise PinferError(f"{f.path}: OPT with embeddings of width {emb[-1]} and a decoder of width {n_embd} "
+                              f"(word_embed_proj_dim != hidden_size, as in OPT-350m) is not supported")
+
+    eps_key = C.LAYER_NORM_EPS if arch in GATELESS_ARCHS else C.RMS_EPS
     act = ffn_act or detect_ffn_activation(f)
     return ModelConfig(
         arch=arch,
@@ -134,8 +183,8 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
         n_head=n_head,
         n_head_kv=n_head_kv,
         vocab_size=int(vocab),
-        n_ctx_train=num(C.CONTEXT_LENGTH, 4096),
-        norm_eps=num(C.RMS_EPS, 1e-5, float),
+        n_ctx_train=n_ctx,
+        norm_eps=num(eps_key, 1e-5, float),  # OPT files carry none: HF's LayerNorm default
         rope_base=num(C.ROPE_FREQ_BASE, 10000.0, float),
         rope_scale=rope_scale,
         ffn_act=act,

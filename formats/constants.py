@@ -48,6 +48,7 @@ FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
 HEAD_COUNT = "{arch}.attention.head_count"
 HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
 RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+LAYER_NORM_EPS = "{arch}.attention.layer_norm_epsilon"  # LayerNorm archs (falcon; opt files may omit it)
 KEY_LENGTH = "{arch}.attention.key_length"
 ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 ROPE_FREQ_BASE = "{arch}.rope.freq_base"
@@ -55,6 +56,7 @@ ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
 ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # older files
 VOCAB_SIZE = "{arch}.vocab_size"
+TENSOR_DATA_LAYOUT = "{arch}.tensor_data_layout"  # falcon: "jploski" = attn_qkv rows as [all q | all k | all v]
 
 # --- tokenizer ----------------------------------------------------------------------------------------------------
 TOKENIZER_MODEL = "tokenizer.ggml.model"  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
@@ -94,8 +96,26 @@ FFN_GATE = "blk.{bid}.ffn_gate.weight"
 FFN_UP = "blk.{bid}.ffn_up.weight"
 FFN_DOWN = "blk.{bid}.ffn_down.weight"
 
+# --- tensors of the LayerNorm families (falcon, opt): biases, fused QKV, a second norm, learned positions ----------
+POS_EMBD = "position_embd.weight"  # opt: learned absolute positions, row p + OPT_POS_OFFSET for position p
+OUTPUT_NORM_B = "output_norm.bias"
+ATTN_NORM_B = "blk.{bid}.attn_norm.bias"
+ATTN_NORM_2 = "blk.{bid}.attn_norm_2.weight"  # falcon 40B layout: HF's ln_attn (attention input); attn_norm = ln_mlp
+ATTN_NORM_2_B = "blk.{bid}.attn_norm_2.bias"
+ATTN_QKV = "blk.{bid}.attn_qkv.weight"  # falcon: [(n_head + 2 n_head_kv) * head_dim, n_embd], [all q | all k | all v]
+ATTN_QKV_B = "blk.{bid}.attn_qkv.bias"
+ATTN_Q_B = "blk.{bid}.attn_q.bias"
+ATTN_K_B = "blk.{bid}.attn_k.bias"
+ATTN_V_B = "blk.{bid}.attn_v.bias"
+ATTN_OUT_B = "blk.{bid}.attn_output.bias"
+FFN_NORM_B = "blk.{bid}.ffn_norm.bias"
+FFN_UP_B = "blk.{bid}.ffn_up.bias"  # [n_ff]: one per neuron (opt)
+FFN_DOWN_B = "blk.{bid}.ffn_down.bias"  # [n_embd]: added to the FFN's output
+OPT_POS_OFFSET = 2  # HF's OPTLearnedPositionalEmbedding: position p reads row p + 2
+
 # --- PowerInfer additions ------------------------------------------------------------------------------------------
 FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"  # W_down transposed: row i = neuron i's output column
+FFN_DOWN_T_B = "blk.{bid}.ffn_down_t.bias"  # PowerInfer's converter renames ffn_down.bias along with the weight (opt)
 PRED_FC1 = "blk.{bid}.fc1.weight"  # predictor Linear(n_embd -> r), ggml ne [n_embd, r]
 PRED_FC2 = "blk.{bid}.fc2.weight"  # predictor Linear(r -> n_ff), ggml ne [r, n_ff]
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # neuron i active iff fc2(relu(fc1 x))[i] >= threshold
@@ -114,7 +134,7 @@ PINFER_ONLY_TENSORS = ("blk.{bid}.act_counts", "blk.{bid}.act_peak", "blk.{bid}.
 
 # --- pinfer additions ---------------------------------------------------------------------------------------------
 # The FFN activation is decided from the file (see config.py); this key lets a file state it outright.
-FFN_ACTIVATION = "pinfer.ffn_activation"  # "silu" | "relu" | "drelu"
+FFN_ACTIVATION = "pinfer.ffn_activation"  # "silu" | "relu" | "drelu"; gate-less archs: "relu" | "gelu"
 
 # Activation statistics written by pi-profile (documented in README "Activation statistics").
 ACT_COUNTS = "blk.{bid}.act_counts"  # F32 [n_ff]: tokens on which neuron i was active

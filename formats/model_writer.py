@@ -1,4 +1,5 @@
-"""Write a llama-layout model (plain GGUF or PowerInfer PWRI) from numpy weights and a ModelConfig.
+"""Write a model (plain GGUF or PowerInfer PWRI) from numpy weights and a ModelConfig: llama-layout tensors, or
+falcon/opt ones under their own names (formats.constants); the metadata keys follow the architecture.
 
 Used by tests and generators that need real model files. Weight names follow formats.constants; a tensor may be a
 float array (written as F32/F16 by its dtype) or a RawTensor already in a quantised ggml type.
@@ -76,11 +77,12 @@ def llama_metadata(cfg: ModelConfig) -> dict[str, Any]:
         k(C.FEED_FORWARD_LENGTH): cfg.n_ff,
         k(C.HEAD_COUNT): cfg.n_head,
         k(C.HEAD_COUNT_KV): cfg.n_head_kv,
-        k(C.RMS_EPS): float(cfg.norm_eps),
-        k(C.ROPE_FREQ_BASE): float(cfg.rope_base),
-        k(C.ROPE_DIMENSION_COUNT): cfg.head_dim,
+        k(C.LAYER_NORM_EPS if cfg.layer_norm else C.RMS_EPS): float(cfg.norm_eps),
         k(C.VOCAB_SIZE): cfg.vocab_size,
     }
+    if cfg.rope != "none":
+        meta[k(C.ROPE_FREQ_BASE)] = float(cfg.rope_base)
+        meta[k(C.ROPE_DIMENSION_COUNT)] = cfg.head_dim
     if cfg.head_dim != cfg.n_embd // cfg.n_head:
         meta[k(C.KEY_LENGTH)] = cfg.head_dim
     if cfg.rope_scale != 1.0:

@@ -299,7 +299,7 @@ def compare_cmd(
 
 @app.command("skeleton")
 def skeleton_cmd(
-    shape: Annotated[str, typer.Argument(help="llama2-7b, llama2-13b, llama2-70b, falcon-40b, bamboo-7b, "
+    shape: Annotated[str, typer.Argument(help="llama2-7b, llama2-13b, llama2-70b, falcon-40b, opt-30b, bamboo-7b, "
                                               "smollm2-135m")],
     output: Annotated[Path, typer.Option("-o", "--output", help="file to write")],
     quant: Annotated[str, typer.Option("--quant", help="f16, q8_0, q4_0 or q4_k")] = "q4_0",

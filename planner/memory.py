@@ -4,13 +4,16 @@ Nothing here reads tensor data. Real files and skeletons go through `tensor_tabl
 difference, so a skeleton of Llama2-70B and the real Q4_0 file account to the same bytes.
 
 Each block N splits into three parts the planner places separately:
-- neurons: rows i of ffn_gate/ffn_up/ffn_down_t (column i of ffn_down). One neuron costs the same in every layer of
-  a model, so a prefix of k neurons costs k * neuron_bytes.
+- neurons: rows i of ffn_gate/ffn_up/ffn_down_t (column i of ffn_down), and entry i of ffn_up.bias (OPT). Gate-less
+  FFNs (Falcon, OPT) have two rows per neuron instead of three. One neuron costs the same in every layer of a model,
+  so a prefix of k neurons costs k * neuron_bytes.
 - the predictor: fc1 + fc2 (PowerInfer files only).
-- attention: every other blk.N tensor (q/k/v/o or qkv, norms, biases, ffn_norm), plus the layer's KV cache, which
+- attention: every other blk.N tensor (q/k/v/o or falcon's fused qkv, norms, attn_norm_2, biases, ffn_norm, the
+  down projection's bias, which is added once per token whatever neurons fire), plus the layer's KV cache, which
   must live where attention runs.
 Outside the blocks: the output head (output + output_norm; with tied embeddings a GPU copy of token_embd) is placed
-as one part; token_embd itself is read one row per token and stays in host memory, as llama.cpp keeps it.
+as one part; token_embd itself, and OPT's position_embd, are read one row per token and stay in host memory, as
+llama.cpp keeps them.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ GPU_WORKSPACE_FIXED = 256 * MIB  # cuBLAS workspace and compute-graph buffers of
 HOST_RESERVE = 1 << 30  # the process itself: interpreter, torch, tokenizer, buffers
 KV_FILL = 0.5  # decode reads the KV cache of the tokens so far: on average half of a full context
 
-_FFN_ROWS = (C.FFN_GATE, C.FFN_UP, C.FFN_DOWN_T)  # neuron i is row i
+_FFN_ROWS = (C.FFN_GATE, C.FFN_UP, C.FFN_DOWN_T, C.FFN_UP_B)  # neuron i is row i (entry i of the up bias)
 _FFN_COLS = (C.FFN_DOWN,)  # neuron i is column i
 _PREDICTOR = (C.PRED_FC1, C.PRED_FC2)
-_NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS)  # plans and statistics: not part of what is placed
+_NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS, C.ACT_PEAK)  # plans and statistics: not part of what is placed
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 NO_DATA = -1  # the offset of a tensor a skeleton only declares: it has no data in the file
 
@@ -202,7 +205,8 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
             dense_name = gate if gate in tensors else up
         dense = [t for t in ffn if t.name == dense_name]
         sparse = [t for t in ffn if t.name != dense_name]
-        ffn_types |= {type_name(t.ggml_type) for t in ffn}
+        matrices = [t for t in ffn if len(t.shape) == 2]  # the up bias is one float per neuron, whatever the quant
+        ffn_types |= {type_name(t.ggml_type) for t in matrices}
         layers.append(LayerBytes(
             n_ff=n_ff,
             attn=sum(t.nbytes for t in attn),
@@ -217,7 +221,7 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
             sparse_per_neuron=sum(t.nbytes for t in sparse) / n_ff,
             dense_flops_per_neuron=2.0 * sum(t.n_elements for t in dense) / n_ff,
             sparse_flops_per_neuron=2.0 * sum(t.n_elements for t in sparse) / n_ff,
-            row_types={t.name.split(".")[2]: t.ggml_type for t in ffn},
+            row_types={t.name.split(".")[2]: t.ggml_type for t in matrices},
         ))
 
     by_name = {t.name: t for t in globals_}

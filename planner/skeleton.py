@@ -45,6 +45,7 @@ class Shape:
     predictor_rank: int = 1024  # 0: no predictor (dense, or CATS thresholds for SwiGLU)
     falcon: bool = False  # fused qkv, LayerNorm with biases, two norms per block
     tied: bool = False
+    opt: bool = False  # LayerNorm and biases everywhere, learned positions
 
 
 # Sparsity and hot shares from the paper (REFERENCE.md §4); predictor sizes near its 5-9% of parameters.
@@ -55,6 +56,8 @@ SHAPES = {
                         predictor_rank=1536),
     "falcon-40b": Shape("ReluFalcon-40B", "falcon", 60, 8192, 32768, 128, 8, 65024, 2048, "relu", 0.95, 0.30,
                         gate=False, falcon=True),
+    "opt-30b": Shape("OPT-30B", "opt", 48, 7168, 28672, 56, 56, 50272, 2048, "relu", 0.97, 0.26, gate=False,
+                     tied=True, opt=True),
     "bamboo-7b": Shape("Bamboo-7B", "bamboo", 32, 4096, 14336, 32, 8, 32000, 4096, "drelu", 0.90, 0.30),
     "smollm2-135m": Shape("SmolLM2-135M", "llama", 30, 576, 1536, 9, 3, 49152, 8192, "silu", 0.50, 0.45,
                           predictor_rank=0, tied=True),
@@ -82,8 +85,10 @@ def tensor_specs(s: Shape, quant: str) -> list[tuple[str, tuple[int, ...], T]]:
     e, ff, hd = s.n_embd, s.n_ff, s.n_embd // s.n_head
     kv = s.n_head_kv * hd
     specs = [(C.TOKEN_EMBD, (s.vocab, e), _fits(e, emb_q)), ("output_norm.weight", (e,), T.F32)]
-    if s.falcon:
-        specs.append(("output_norm.bias", (e,), T.F32))
+    if s.falcon or s.opt:
+        specs.append((C.OUTPUT_NORM_B, (e,), T.F32))
+    if s.opt:
+        specs.append((C.POS_EMBD, (s.n_ctx + C.OPT_POS_OFFSET, e), _fits(e, emb_q)))
     if not s.tied:
         specs.append((C.OUTPUT, (s.vocab, e), _fits(e, out_q)))
     for b in range(s.n_layer):
@@ -96,6 +101,10 @@ def tensor_specs(s: Shape, quant: str) -> list[tuple[str, tuple[int, ...], T]]:
             specs += [(t(C.ATTN_NORM), (e,), T.F32), (t(C.ATTN_Q), (e, e), _fits(e, wq)),
                       (t(C.ATTN_K), (kv, e), _fits(e, wq)), (t(C.ATTN_V), (kv, e), _fits(e, wq)),
                       (t(C.FFN_NORM), (e,), T.F32)]
+        if s.opt:
+            specs += [(t(name), (n,), T.F32) for name, n in ((C.ATTN_NORM_B, e), (C.ATTN_Q_B, e), (C.ATTN_K_B, kv),
+                                                              (C.ATTN_V_B, kv), (C.ATTN_OUT_B, e), (C.FFN_NORM_B, e),
+                                                              (C.FFN_UP_B, ff))]
         specs.append((t(C.ATTN_OUT), (e, e), _fits(e, wq)))
         if s.gate:
             specs.append((t(C.FFN_GATE), (ff, e), _fits(e, wq)))
@@ -103,8 +112,12 @@ def tensor_specs(s: Shape, quant: str) -> list[tuple[str, tuple[int, ...], T]]:
         if s.predictor_rank:  # PowerInfer layout: down transposed, so one index list slices all three
             specs += [(t(C.FFN_DOWN_T), (ff, e), _fits(e, wq)),
                       (t(C.PRED_FC1), (s.predictor_rank, e), T.F16), (t(C.PRED_FC2), (ff, s.predictor_rank), T.F16)]
+            if s.opt:  # PowerInfer's converter renames the down bias with its weight
+                specs.append((t(C.FFN_DOWN_T_B), (e,), T.F32))
         else:
             specs.append((t(C.FFN_DOWN), (e, ff), _fits(ff, wq)))
+            if s.opt:
+                specs.append((t(C.FFN_DOWN_B), (e,), T.F32))
     return specs
 
 
@@ -194,8 +207,13 @@ def make_skeleton(shape: str, path: str | os.PathLike, *, quant: str = "q4_0", p
         C.ACT_CORPUS: f"synthetic power law (seed {seed}, sparsity {s.sparsity:g}, hot share {s.hot_share:g})",
         C.ACT_RULE: "synthetic",
     }
-    if not s.falcon:
+    if s.falcon:  # as llama.cpp's converter writes them
+        meta[C.arch_key(C.LAYER_NORM_EPS, a)] = np.float32(1e-5)
+        meta[C.arch_key(C.TENSOR_DATA_LAYOUT, a)] = "jploski"
+    elif not s.opt:  # PowerInfer writes no epsilon for OPT
         meta[C.arch_key(C.RMS_EPS, a)] = np.float32(1e-5)
+    if s.opt:  # the position table's rows, as PowerInfer writes it
+        meta[C.arch_key(C.CONTEXT_LENGTH, a)] = np.uint32(s.n_ctx + C.OPT_POS_OFFSET)
     counts = synthetic_counts(s.n_layer, s.n_ff, s.sparsity, s.hot_share, tokens, seed)
     tensors = {C.tensor(C.ACT_COUNTS, b): c for b, c in enumerate(counts)}
     return write_gguf(path, meta, tensors)

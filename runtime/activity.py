@@ -1,7 +1,8 @@
 """What "active" means for a neuron, per FFN activation (stored as pinfer.activation.rule).
 
 - ReLU family (ReGLU, dReLU), "relu>0": relu(gate) > 0 (and relu(up) > 0 for dReLU), i.e. exactly the neurons
-  whose output act(gate) * up can be nonzero, so skipping the others is exact.
+  whose output act(gate) * up can be nonzero, so skipping the others is exact. Gate-less ReLU FFNs (ReluFalcon, OPT)
+  have no gate: there the up row decides, relu(up x + b) > 0.
 - SwiGLU, "|silu(gate)|>thr": nothing is exactly zero, so "active" needs a threshold. For a target sparsity S each
   layer's threshold t_l is the S-quantile of |silu(gate)| over every token and neuron of the corpus (CATS), and a
   neuron is active iff |silu(gate)| > t_l.
@@ -44,6 +45,9 @@ class ActivationRule:
 
 def activation_rule(cfg: ModelConfig, sparsity: float | None = None) -> ActivationRule:
     """The rule for this model; SwiGLU needs --sparsity (profile() calibrates the thresholds)."""
+    if cfg.ffn_act == "gelu":
+        raise PinferError(f"this {cfg.arch} model's FFN is GELU, which is never exactly zero, so no neuron is ever "
+                          f"inactive; pi-profile needs a ReLU model (ReluFalcon, OPT), or --ffn-act relu if it is one")
     if cfg.ffn_act == "silu":
         if sparsity is None:
             raise PinferError("this is a SwiGLU model: no neuron is ever exactly inactive, so profiling needs a "

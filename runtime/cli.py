@@ -97,8 +97,8 @@ def run(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template; without -p or "
                                        "-f, an interactive conversation in the terminal.")] = False,
     system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
-    ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
-    = None,
+    ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu; "
+                                                "Falcon, OPT: relu, gelu.")] = None,
     sparse: Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the "
                                          "default when the file has predictors).")] = False,
     dense: Annotated[bool, typer.Option("--dense", help="Compute every FFN neuron.")] = False,

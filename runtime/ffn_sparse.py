@@ -1,9 +1,11 @@
 """Activation-sparse FFN execution: decide each token's active neurons, compute only those.
 
 Three ways to decide (a "masker" maps (normed x, pre-norm residual) -> bool [T, n_ff]):
-- predictors: PowerInfer's per-layer Linear -> ReLU -> Linear on the pre-norm residual (pi-run --sparse);
-- exact ReLU masks: gate (and up, for dReLU) computed for every neuron, active iff the activation is > 0
-  (pi-run --oracle-masks, for debugging and for measuring what predictors cost);
+- predictors: PowerInfer's per-layer Linear -> ReLU -> Linear on the pre-norm residual (pi-run --sparse; for Falcon's
+  parallel block that is the layer input);
+- exact ReLU masks: gate (and up, for dReLU; up + bias alone for the gate-less Falcon and OPT) computed for every
+  neuron, active iff the activation is > 0 (pi-run --oracle-masks, for debugging and for measuring what predictors
+  cost);
 - CATS thresholds for SwiGLU models: active iff |silu(gate)| > the layer's threshold (written by
   pi-profile --sparsity S); exact with --oracle-masks, predicted with --sparse.
 

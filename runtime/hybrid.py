@@ -40,6 +40,7 @@ from formats.errors import PinferError
 from .ffn_dense import DenseFFN
 from .ffn_sparse import CatsOracleMasker, PredictorMasker, SparseFFN, SparsityStats
 from .linear import Linear
+from .model import Norm
 from .placement import GIB, Placement
 from .sparse_ops import FFNRows, ffn_exact, ffn_masked, ffn_sparse
 from .weights import QWeight
@@ -97,28 +98,44 @@ class Uploader:
             return torch.from_numpy(np.asarray(self.dev.to_numpy(a), dtype=np.float32))
 
 
-def _upload(dev, w: QWeight, rows=None):
+def _upload(dev, w: QWeight, rows=None):  # rows: an index array gathering some rows
     return dev.upload_matrix(w.data.numpy(), int(w.qtype), w.cols, rows)
 
 
 class DeviceAttention:
-    """One layer's attention on the device: Q/K/V and output projections as the file stores them, RoPE, the KV cache
-    in device memory (f16) and attention over it. Input: the normed hidden state; output: the attention output."""
+    """One layer's attention on the device: Q/K/V and output projections as the file stores them (Falcon's fused
+    attn_qkv uploaded as its three row blocks), their biases (OPT), RoPE in the model's order (llama pairs, NeoX
+    halves for Falcon, none for OPT), the KV cache in device memory (f16) and attention over it. Input: the normed
+    hidden state; output: the attention output, biases included."""
 
-    def __init__(self, dev, io: Uploader, cfg, wqkv: Linear, wo: Linear, max_ctx: int):
+    def __init__(self, dev, io: Uploader, cfg, b, max_ctx: int):
         self.dev, self.io, self.cfg = dev, io, cfg
-        self.wq, self.wk, self.wv = (_upload(dev, w) for w in wqkv.ws)
-        self.wo = _upload(dev, wo.ws[0])
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        bounds = (0, q, q + kv, q + 2 * kv)  # q, k, v rows of the projection's output
+        ws = b.wqkv.ws
+        if len(ws) == 1:  # fused: gather each block's rows into its own device matrix
+            self.wq, self.wk, self.wv = (_upload(dev, ws[0], np.arange(lo, hi, dtype=np.int32))
+                                         for lo, hi in zip(bounds, bounds[1:], strict=False))
+        else:
+            self.wq, self.wk, self.wv = (_upload(dev, w) for w in ws)
+        bias = b.bqkv
+        self.bq, self.bk, self.bv = ((None,) * 3 if bias is None else
+                                     (dev.asarray(_host(bias[lo:hi])) for lo, hi in zip(bounds, bounds[1:],
+                                                                                       strict=False)))
+        self.wo = _upload(dev, b.wo.ws[0])
+        self.bo = None if b.bo is None else dev.asarray(_host(b.bo))
         self.k_cache, self.v_cache = dev.kv_cache(cfg.n_head_kv, max_ctx, cfg.head_dim)
+        self.rope = dict(n_rot=0 if cfg.rope == "none" else cfg.head_dim, neox=cfg.rope == "neox",
+                         base=cfg.rope_base, rope_scale=cfg.rope_scale)
 
     def __call__(self, xn: torch.Tensor, pos: int) -> torch.Tensor:
         cfg, dev, T = self.cfg, self.dev, xn.shape[0]
         x = self.io.up(xn)
-        q = dev.matmul(self.wq, x).reshape(T, cfg.n_head, cfg.head_dim)
-        k = dev.matmul(self.wk, x).reshape(T, cfg.n_head_kv, cfg.head_dim)
-        v = dev.matmul(self.wv, x).reshape(T, cfg.n_head_kv, cfg.head_dim)
-        o = dev.attention(q, k, v, self.k_cache, self.v_cache, pos, base=cfg.rope_base, rope_scale=cfg.rope_scale)
-        return self.io.down(dev.matmul(self.wo, o.reshape(T, cfg.n_head * cfg.head_dim)))
+        q = dev.matmul(self.wq, x, bias=self.bq).reshape(T, cfg.n_head, cfg.head_dim)
+        k = dev.matmul(self.wk, x, bias=self.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)
+        v = dev.matmul(self.wv, x, bias=self.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)
+        o = dev.attention(q, k, v, self.k_cache, self.v_cache, pos, **self.rope)
+        return self.io.down(dev.matmul(self.wo, o.reshape(T, cfg.n_head * cfg.head_dim), bias=self.bo))
 
 
 class DeviceLinear:
@@ -141,7 +158,7 @@ class HybridFFN:
     decided by each side's own gate rows."""
 
     def __init__(self, inner: SparseFFN | DenseFFN, rows: FFNRows, dev, io: Uploader, bucket: np.ndarray,
-                 pred_on_gpu: bool, norm: tuple[torch.Tensor, float]):
+                 pred_on_gpu: bool, norm: Norm):
         self.inner, self.rows, self.dev, self.io = inner, rows, dev, io
         self.masker = inner.masker if isinstance(inner, SparseFFN) else None
         self.stats = inner.stats if isinstance(inner, SparseFFN) else SparsityStats()
@@ -166,7 +183,10 @@ class HybridFFN:
             p = self.masker.pred
             self.pred = dev.upload_predictor(p.fc1.numpy(), p.fc2.numpy())
             self.skip = dev.asarray(on_gpu.astype(np.uint8))
-            self.norm_w, self.eps = dev.asarray(_host(norm[0])), norm[1]  # the device norms the residual itself
+            # the device norms the residual itself (RMSNorm, or LayerNorm with bias for Falcon and OPT)
+            self.norm = norm
+            self.norm_w = dev.asarray(_host(norm.w))
+            self.norm_b = None if norm.b is None else dev.asarray(_host(norm.b))
             always = self.masker.always
             self.always = None if always is None else dev.asarray(always.numpy().astype(np.int64))
 
@@ -217,7 +237,7 @@ class HybridFFN:
         scores, ids, count = dev.predict(self.pred, rd, threshold=thr, skip=self.skip, ids=True)
         if self.always is not None:
             scores.reshape(T, -1)[:, self.always] = float("inf")
-        y_gpu = self._launch(x, scores, thr, None, xd=dev.rms_norm(rd, self.norm_w, self.eps) if self.gpu else None)
+        y_gpu = self._launch(x, scores, thr, None, xd=self._device_norm(rd) if self.gpu else None)
         n = int(self.io.down(count).reshape(-1)[0])
         cpu_ids = self.io.down(ids[:n]).long() if n else torch.zeros(0, dtype=torch.long)
         if m.always is not None:
@@ -230,6 +250,11 @@ class HybridFFN:
             self.stats.add(mask)
             y = ffn_masked(self.rows, x, mask & self.cpu_mask)
         return y + self._collect(y_gpu)
+
+    def _device_norm(self, rd):
+        if self.norm.layer:
+            return self.dev.layer_norm(rd, self.norm_w, self.norm_b, self.norm.eps)
+        return self.dev.rms_norm(rd, self.norm_w, self.norm.eps)
 
     def _launch(self, x: torch.Tensor, scores, threshold: float, cats, xd=None):
         """Start the device's part (asynchronous on a real GPU); None when it holds no neurons. scores: a host
@@ -291,14 +316,14 @@ def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Spl
     io = Uploader(dev, split)
     for li, b in enumerate(tr.blocks):
         if placement.attn[li]:
-            b.attn_dev = DeviceAttention(dev, io, tr.cfg, b.wqkv, b.wo, tr.max_ctx)
+            b.attn_dev = DeviceAttention(dev, io, tr.cfg, b, tr.max_ctx)
             tr.cache.free(li)
         bucket = placement.buckets[li]
         if len(bucket) or placement.pred[li]:
             rows = _rows(b.ffn)
             if rows.down_t is None:  # dense mode over a file with ffn_down: neuron-major rows for both halves
                 rows.down_t = transposed(b.ffn.down.ws[0])
-            b.ffn = HybridFFN(b.ffn, rows, dev, io, bucket, bool(placement.pred[li]), (b.ffn_norm, tr.cfg.norm_eps))
+            b.ffn = HybridFFN(b.ffn, rows, dev, io, bucket, bool(placement.pred[li]), b.ffn_norm)
     if placement.output:
         tr.output = DeviceLinear(dev, io, tr.output)
     return split

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from formats import constants as C
@@ -23,7 +24,7 @@ from . import cpu_kernels, qops
 from .ffn_dense import DenseFFN
 from .ffn_sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN, outlier_neurons
 from .linear import Embedding, Linear
-from .model import BlockWeights, Transformer
+from .model import BlockWeights, Norm, Transformer
 from .predictor import load_predictors
 from .sparse_ops import FFNRows
 from .weights import QWeight, quantize_like, qweight, vector
@@ -39,24 +40,40 @@ class Load:
     transposed_s: float = 0.0
 
 
-def check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
-    """Every tensor the forward pass needs exists and has the shape the metadata implies."""
+def expected_shapes(f: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward pass reads, with the shape the metadata implies: the required ones, and the optional
+    ones (biases, falcon's attn_norm_2, an untied output) where the file has them."""
     d, ff, hd = cfg.n_embd, cfg.n_ff, cfg.head_dim
+    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
     expect = {C.TOKEN_EMBD: (cfg.vocab_size, d), C.OUTPUT_NORM: (d,)}
+    optional = {C.OUTPUT_NORM_B: (d,)}
     if not cfg.tied_embeddings:
         expect[C.OUTPUT] = (cfg.vocab_size, d)
+    if cfg.arch == "opt":
+        expect[C.POS_EMBD] = (cfg.n_ctx_train + C.OPT_POS_OFFSET, d)
     for i in range(cfg.n_layer):
-        expect.update({
-            C.tensor(C.ATTN_NORM, i): (d,), C.tensor(C.FFN_NORM, i): (d,),
-            C.tensor(C.ATTN_Q, i): (cfg.n_head * hd, d), C.tensor(C.ATTN_K, i): (cfg.n_head_kv * hd, d),
-            C.tensor(C.ATTN_V, i): (cfg.n_head_kv * hd, d), C.tensor(C.ATTN_OUT, i): (d, cfg.n_head * hd),
-            C.tensor(C.FFN_GATE, i): (ff, d), C.tensor(C.FFN_UP, i): (ff, d),
-        })
-        if cfg.down_transposed:
-            expect[C.tensor(C.FFN_DOWN_T, i)] = (ff, d)
+        t = lambda template, i=i: C.tensor(template, i)  # noqa: E731
+        expect.update({t(C.ATTN_NORM): (d,), t(C.ATTN_OUT): (d, q), t(C.FFN_UP): (ff, d)})
+        optional.update({t(C.ATTN_NORM_B): (d,), t(C.ATTN_OUT_B): (d,), t(C.FFN_UP_B): (ff,), t(C.FFN_DOWN_B): (d,),
+                         t(C.FFN_DOWN_T_B): (d,)})
+        if cfg.arch == "falcon":
+            expect[t(C.ATTN_QKV)] = (q + 2 * kv, d)
+            optional.update({t(C.ATTN_QKV_B): (q + 2 * kv,), t(C.ATTN_NORM_2): (d,), t(C.ATTN_NORM_2_B): (d,)})
         else:
-            expect[C.tensor(C.FFN_DOWN, i)] = (d, ff)
-    for name, shape in expect.items():
+            expect.update({t(C.ATTN_Q): (q, d), t(C.ATTN_K): (kv, d), t(C.ATTN_V): (kv, d), t(C.FFN_NORM): (d,)})
+            optional.update({t(C.ATTN_Q_B): (q,), t(C.ATTN_K_B): (kv,), t(C.ATTN_V_B): (kv,), t(C.FFN_NORM_B): (d,)})
+        if cfg.gated:
+            expect[t(C.FFN_GATE)] = (ff, d)
+        if cfg.down_transposed:
+            expect[t(C.FFN_DOWN_T)] = (ff, d)
+        else:
+            expect[t(C.FFN_DOWN)] = (d, ff)
+    return expect | {name: shape for name, shape in optional.items() if f.has(name)}
+
+
+def check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Every tensor the forward pass needs exists and has the shape the metadata implies."""
+    for name, shape in expected_shapes(f, cfg).items():
         got = f.info(name).shape  # raises "missing tensor" with the file name
         if tuple(got) != shape:
             raise PinferError(f"{f.path}: tensor '{name}' has shape {list(got)}, the metadata implies {list(shape)}; "
@@ -79,7 +96,8 @@ def ffn_rows(f: GGUFFile, cfg: ModelConfig, i: int, sparse: bool, load: Load) ->
     """The layer's FFN rows and, for files that store ffn_down, the dense down projection. Sparse execution needs
     neuron-major down rows: the file's ffn_down_t, or ffn_down transposed once in memory."""
     t = lambda template: C.tensor(template, i)  # noqa: E731
-    gate, up = qweight(f, t(C.FFN_GATE)), qweight(f, t(C.FFN_UP))
+    gate = qweight(f, t(C.FFN_GATE)) if cfg.gated else None
+    up = qweight(f, t(C.FFN_UP))
     down, down_t = None, None
     if cfg.down_transposed:
         down_t = qweight(f, t(C.FFN_DOWN_T))
@@ -93,7 +111,7 @@ def ffn_rows(f: GGUFFile, cfg: ModelConfig, i: int, sparse: bool, load: Load) ->
             down_t = transposed(w)
             load.transposed_s += time.perf_counter() - t0
             load.transposed_bytes += down_t.nbytes
-    return FFNRows(gate, up, down_t, cfg.ffn_act), down
+    return FFNRows(gate, up, down_t, cfg.ffn_act, optional_vector(f, t(C.FFN_UP_B))), down
 
 
 def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
@@ -105,6 +123,9 @@ def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
                 for p, pk in zip(load_predictors(f, cfg.n_layer), peaks, strict=True)]
     if cfg.is_relu:
         return [ReluOracleMasker() for _ in range(cfg.n_layer)]
+    if not cfg.gated:
+        raise PinferError(f"{f.path}: this {cfg.arch} model's FFN is {cfg.ffn_act.upper()}, which is never exactly "
+                          f"zero, so it has no exact masks; run it with --dense (ReluFalcon and OPT are ReLU)")
     thresholds = f.get(C.CATS_THRESHOLD)
     if thresholds is None or len(thresholds) != cfg.n_layer:
         raise PinferError(f"{f.path}: exact masks for a SwiGLU model need CATS thresholds; run "
@@ -112,15 +133,46 @@ def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
     return [CatsOracleMasker(float(thr)) for thr in thresholds]
 
 
+def optional_vector(f: GGUFFile, name: str):
+    return vector(f, name) if f.has(name) else None
+
+
+def norm(f: GGUFFile, cfg: ModelConfig, weight: str, bias: str) -> Norm:
+    return Norm(vector(f, weight), optional_vector(f, bias), cfg.norm_eps, cfg.layer_norm)
+
+
+def qkv_bias(f: GGUFFile, cfg: ModelConfig, i: int):
+    """q, k and v biases side by side as the fused projection's output is laid out (zeros for a missing one), or
+    None when the layer has none."""
+    templates = (C.ATTN_QKV_B,) if cfg.arch == "falcon" else (C.ATTN_Q_B, C.ATTN_K_B, C.ATTN_V_B)
+    names = [C.tensor(t, i) for t in templates]
+    if not any(f.has(n) for n in names):
+        return None
+    return torch.cat([vector(f, n) if f.has(n) else torch.zeros(f.info(n.replace(".bias", ".weight")).shape[0])
+                      for n in names])
+
+
 def load_block(f: GGUFFile, cfg: ModelConfig, i: int, masker, load: Load) -> BlockWeights:
     t = lambda template: C.tensor(template, i)  # noqa: E731
     rows, down = ffn_rows(f, cfg, i, masker is not None, load)
+    if cfg.arch == "falcon":  # one attn_norm feeds both branches (7B), or attn_norm_2 feeds attention (40B layout)
+        ffn_norm = norm(f, cfg, t(C.ATTN_NORM), t(C.ATTN_NORM_B))
+        attn_norm = norm(f, cfg, t(C.ATTN_NORM_2), t(C.ATTN_NORM_2_B)) if f.has(t(C.ATTN_NORM_2)) else ffn_norm
+        wqkv = Linear([qweight(f, t(C.ATTN_QKV))])  # already [all q | all k | all v] (llama.cpp's converter)
+    else:
+        attn_norm = norm(f, cfg, t(C.ATTN_NORM), t(C.ATTN_NORM_B))
+        ffn_norm = norm(f, cfg, t(C.FFN_NORM), t(C.FFN_NORM_B))
+        wqkv = Linear([qweight(f, t(C.ATTN_Q)), qweight(f, t(C.ATTN_K)), qweight(f, t(C.ATTN_V))])
     return BlockWeights(
-        attn_norm=vector(f, t(C.ATTN_NORM)),
-        wqkv=Linear([qweight(f, t(C.ATTN_Q)), qweight(f, t(C.ATTN_K)), qweight(f, t(C.ATTN_V))]),
+        attn_norm=attn_norm,
+        wqkv=wqkv,
         wo=Linear([qweight(f, t(C.ATTN_OUT))]),
-        ffn_norm=vector(f, t(C.FFN_NORM)),
+        ffn_norm=ffn_norm,
         ffn=DenseFFN(rows, down) if masker is None else SparseFFN(rows, masker),
+        bqkv=qkv_bias(f, cfg, i),
+        bo=optional_vector(f, t(C.ATTN_OUT_B)),
+        ffn_bias=optional_vector(f, t(C.FFN_DOWN_B) if f.has(t(C.FFN_DOWN_B)) else t(C.FFN_DOWN_T_B)),
+        parallel=cfg.parallel,
     )
 
 
@@ -170,7 +222,8 @@ def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mod
         if progress:
             progress(i + 1, cfg.n_layer)
     out_name = C.TOKEN_EMBD if cfg.tied_embeddings else C.OUTPUT
-    tr = Transformer(cfg, blocks, Embedding(qweight(f, C.TOKEN_EMBD)), vector(f, C.OUTPUT_NORM),
-                     Linear([qweight(f, out_name)]), max_ctx)
+    pos = Embedding(qweight(f, C.POS_EMBD)) if cfg.arch == "opt" else None
+    tr = Transformer(cfg, blocks, Embedding(qweight(f, C.TOKEN_EMBD)), norm(f, cfg, C.OUTPUT_NORM, C.OUTPUT_NORM_B),
+                     Linear([qweight(f, out_name)]), max_ctx, pos)
     _report(tr, load)
     return tr, load

@@ -22,6 +22,7 @@ from formats.reader import GGUFFile
 
 from .predictor import Predictor
 from .profile import Profile, Samples
+from .profile_store import ffn_tensors
 
 MIN_TRAIN_TOKENS = 1000  # profiled tokens needed to train predictors (about 150 held out for each of calib/test)
 DEFAULT_LADDER = (32, 64, 128, 256, 512, 1024, 2048)  # multiples of 32: PowerInfer quantizes fc2 rows in blocks of 32
@@ -221,7 +222,6 @@ def min_train_tokens(n_embd: int) -> int:
 
 
 def ffn_bytes_per_layer(f: GGUFFile, cfg: ModelConfig) -> list[float]:
-    """Per layer, bytes of its gate, up and down weights as stored (what a dense FFN reads per token); layers may be
-    quantised differently (llama.cpp's mixed quantisations keep some layers at higher precision)."""
-    down = C.FFN_DOWN_T if cfg.down_transposed else C.FFN_DOWN
-    return [float(sum(f.info(C.tensor(t, i)).nbytes for t in (C.FFN_GATE, C.FFN_UP, down))) for i in range(cfg.n_layer)]
+    """Per layer, bytes of its gate (gated archs), up and down weights as stored (what a dense FFN reads per token);
+    layers may be quantised differently (llama.cpp's mixed quantisations keep some layers at higher precision)."""
+    return [float(sum(f.info(C.tensor(t, i)).nbytes for t in ffn_tensors(cfg))) for i in range(cfg.n_layer)]

@@ -7,7 +7,8 @@
     meta, tensors, drop = profile_entries(prof, n_layer)  # runtime.profile_store: what to write into the model
 
 Profiling runs the model layer by layer over all token windows, sees each FFN's input (the pre-norm residual, which
-predictors read) and its gate/up pre-activations, counts the active neurons of every token (runtime/activity.py says
+predictors read: the stream after attention, or for Falcon's parallel block the layer input) and its gate/up
+pre-activations (up + bias alone for gate-less FFNs), counts the active neurons of every token (runtime/activity.py says
 what "active" means), and keeps a fixed random subset of tokens as training pairs (x, active mask), so memory is
 bounded whatever the corpus size.
 """
@@ -125,35 +126,41 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
     xs_out = np.zeros((L, k, d), dtype=np.float32)
     bits = np.zeros((L, k, -(-n_ff // 8)), dtype=np.uint8)
 
-    xs = [tr.tok_embd(torch.tensor(w, dtype=torch.long)) for w in windows]  # residual stream (T, d)
+    xs = [tr.embed(torch.tensor(w, dtype=torch.long), 0) for w in windows]  # residual stream (T, d)
     cache_ok = n_tokens * 3 * n_ff * 4 <= CACHE_BYTES  # gate/up and |silu(gate)|, float32
     for li, b in enumerate(tr.blocks):
         ffn = b.ffn
-        for w, x in enumerate(xs):
-            xs[w] = x + tr.attention(li, b, tr.norm(x, b.attn_norm), 0)
-        pre = lambda x: ffn.pre_activations(tr.norm(x, b.ffn_norm))  # noqa: E731, B023  -> (gate, up) [T, n_ff]
+        # per window: the FFN's normed input and residual input (what predictors read), and x + attention. Falcon's
+        # parallel block feeds the FFN the layer input, sequential blocks the stream after attention.
+        parts = [tr.attend(li, b, x, 0) for x in xs]
+        xs = [p[2] for p in parts]
+        fin = [p[0] for p in parts]
+        res = [p[1] for p in parts]
+        del parts
+        pre = ffn.pre_activations  # -> (gate, up) [T, n_ff]; gate None for gate-less FFNs
         cached = mags = None
         if rule.act == "silu":
             if cache_ok:  # every token's gate/up and |silu(gate)| stay in memory for the second loop
-                cached = [pre(x) for x in xs]
+                cached = [pre(x) for x in fin]
                 mags = [F.silu(g).abs() for g, _ in cached]
                 rule.thresholds[li] = cats_threshold(mags, sparsity)
             else:
                 rows_ = _calib_rows(windows, n_ff, seed)
                 rule.thresholds[li] = cats_threshold(
-                    [F.silu(pre(x[r])[0]).abs() for x, r in zip(xs, rows_, strict=True)], sparsity)
+                    [F.silu(pre(x[r])[0]).abs() for x, r in zip(fin, rows_, strict=True)], sparsity)
         for w, x in enumerate(xs):
-            gate, up = cached[w] if cached else pre(x)
+            gate, up = cached[w] if cached else pre(fin[w])
             m = mags[w] > rule.thresholds[li] if mags else rule.mask(li, gate, up)
             counts[li] += m.sum(0, dtype=torch.float64)
             r = rows[w]
             if r.numel():
-                xs_out[li, bounds[w]:bounds[w + 1]] = x[r].float().numpy()
+                xs_out[li, bounds[w]:bounds[w + 1]] = res[w][r].float().numpy()
                 bits[li, bounds[w]:bounds[w + 1]] = np.packbits(m[r].numpy(), axis=1)
             h = activate(gate, up, ffn.act)
             peak[li] = torch.maximum(peak[li], h.float().abs().amax(0))
-            xs[w] = x + ffn.down_proj(h)
-        del cached, mags
+            y = ffn.down_proj(h)
+            xs[w] = x + (y if b.ffn_bias is None else y + b.ffn_bias)
+        del cached, mags, fin, res
         if progress:
             progress(li + 1, L)
     samples = [Samples(xs_out[i], bits[i], n_ff, labels) for i in range(L)] if k else []

@@ -70,14 +70,20 @@ def stored_counts(f: GGUFFile, cfg: ModelConfig) -> tuple[np.ndarray, int]:
     return counts, int(f.get(C.ACT_TOKENS))
 
 
-def check_ffn_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
-    """Profiling needs a llama-family FFN: gate, up and down (or PowerInfer's down_t) in every layer."""
+def ffn_tensors(cfg: ModelConfig) -> tuple[str, ...]:
+    """The FFN's weight templates: gate (llama, bamboo; Falcon and OPT have none), up, and down or PowerInfer's
+    down_t."""
     down = C.FFN_DOWN_T if cfg.down_transposed else C.FFN_DOWN
+    return (C.FFN_GATE, C.FFN_UP, down) if cfg.gated else (C.FFN_UP, down)
+
+
+def check_ffn_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Profiling needs the FFN's weights in every layer: gate (gated archs), up and down (or PowerInfer's down_t)."""
     for i in range(cfg.n_layer):
-        for t in (C.FFN_GATE, C.FFN_UP, down):
+        for t in ffn_tensors(cfg):
             if not f.has(C.tensor(t, i)):
                 raise PinferError(f"{f.path}: layer {i} has no {C.tensor(t, i)}; pi-profile understands only "
-                                  f"llama-family FFNs (gate, up, down: SwiGLU, ReGLU, dReLU)")
+                                  f"{'gate, up and down' if cfg.gated else 'up and down'} FFNs there")
 
 
 def transposed_down(f: GGUFFile, cfg: ModelConfig, progress=None) -> dict:

@@ -8,7 +8,8 @@ Two implementations of the same operators, chosen per layer:
   read when its activation is exactly 0: a predictor's false positives cost a third of a neuron. More tokens than
   KERNEL_MAX_T gather the selected rows (dequantised) into a workspace and run GEMMs.
 - FFNWeights: a float copy in a sparse-friendly layout (pack_ffn), for the torch fallback (no C++ compiler, or a type
-  without a kernel such as the K-quants). It is described below.
+  without a kernel such as the K-quants). It is described below. Gate-less FFNs (Falcon, OPT) keep only their up rows
+  there, with the up bias beside them.
 
 Everything here is exact: for any index set the result equals the dense FFN with the other neurons zeroed (up to the
 8-bit activation rounding of the quantised kernels, see runtime/qops.py). `ffn_masked` (per-row masks) and `ffn_auto`
@@ -17,7 +18,8 @@ n_ff)`.
 
 FFNWeights, the fallback's layout (`pack_ffn`), chosen by measurement (benchmarks/sparse_ops.py --layouts):
 - gate_up [n_ff, 2, d]: neuron i's gate row and up row side by side, so one index list addresses both and a neuron's
-  input weights are one 2*d run of memory; the dense path reads the same tensor as one [2*n_ff, d] GEMM.
+  input weights are one 2*d run of memory; the dense path reads the same tensor as one [2*n_ff, d] GEMM. A gate-less
+  FFN stores [n_ff, 1, d] (its up rows) and the same code runs with one row per neuron.
 - down_t [n_ff, d]: PowerInfer's ffn_down_t, row i = neuron i's output column; the same index list selects it.
 - Both live in anonymous memory advised for transparent huge pages: random neuron rows then cost no TLB misses.
 
@@ -49,13 +51,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
 
 from formats.errors import PinferError
 
 from . import cpu_kernels, qops
 from .weights import QWeight
 
-ACTIVATIONS = ("silu", "relu", "drelu")
+ACTIVATIONS = ("silu", "relu", "drelu")  # with a gate
+GATELESS_ACTIVATIONS = ("relu", "gelu")  # without one (Falcon, OPT): act(up x + b)
 ACT_CODES = {"silu": 0, "relu": 1, "drelu": 2}  # the act argument of torch.ops.pinfer.ffn_sparse_rows
 
 # Tokens from which the sparse path gathers rows once and runs GEMMs instead of per-token SDDMM/axpy passes. Measured
@@ -88,15 +92,26 @@ with warnings.catch_warnings():  # torch warns once per process that CSR is "bet
 class FFNWeights:
     """One layer's FFN in the sparse-friendly layout. Build it with pack_ffn."""
 
-    gate_up: torch.Tensor  # [n_ff, 2, d]: [:, 0] = gate rows, [:, 1] = up rows
+    gate_up: torch.Tensor  # [n_ff, 2, d]: [:, 0] = gate rows, [:, 1] = up rows; gate-less: [n_ff, 1, d] up rows
     down_t: torch.Tensor  # [n_ff, d]: row i = neuron i's output column
-    act: str  # "silu" (SwiGLU) | "relu" (ReGLU) | "drelu" (dReLU)
+    act: str  # "silu" (SwiGLU) | "relu" (ReGLU) | "drelu" (dReLU); gate-less: "relu" | "gelu"
+    up_bias: torch.Tensor | None = None  # float32 [n_ff] (OPT)
 
     def __post_init__(self):
-        # gate_up as the [d, 2 n_ff] operand sampled_addmm wants (a transposed view: rows stay contiguous)
-        self.rows_t = self.gate_up.view(2 * self.n_ff, self.n_embd).t()
-        self.pair_rows = torch.arange(2 * self.n_ff).view(self.n_ff, 2)  # neuron i -> its rows (2i, 2i+1)
+        g = self.rows_per_neuron
+        # gate_up as the [d, g n_ff] operand sampled_addmm wants (a transposed view: rows stay contiguous)
+        self.rows_t = self.gate_up.view(g * self.n_ff, self.n_embd).t()
+        self.pair_rows = torch.arange(g * self.n_ff).view(self.n_ff, g)  # neuron i -> its rows (2i, 2i+1), or i
         self.all_idx = torch.arange(self.n_ff)
+        self.code = qops.act_code(self.act, self.gated)
+
+    @property
+    def rows_per_neuron(self) -> int:
+        return self.gate_up.shape[1]
+
+    @property
+    def gated(self) -> bool:
+        return self.rows_per_neuron == 2
 
     @property
     def n_ff(self) -> int:
@@ -111,12 +126,12 @@ class FFNWeights:
         return self.gate_up.dtype
 
     @property
-    def gate(self) -> torch.Tensor:
-        return self.gate_up[:, 0]
+    def gate(self) -> torch.Tensor | None:
+        return self.gate_up[:, 0] if self.gated else None
 
     @property
     def up(self) -> torch.Tensor:
-        return self.gate_up[:, 1]
+        return self.gate_up[:, -1]
 
     @property
     def nbytes(self) -> int:
@@ -139,28 +154,34 @@ def _huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mem, dtype=dtype, count=numel).view(shape)  # the tensor keeps `mem` alive
 
 
-def pack_ffn(gate, up, down, *, down_transposed: bool, act: str, dtype: torch.dtype | None = None) -> FFNWeights:
+def pack_ffn(gate, up, down, *, down_transposed: bool, act: str, dtype: torch.dtype | None = None,
+             up_bias=None) -> FFNWeights:
     """Copy a layer's FFN matrices (numpy arrays or tensors, GGUF numpy shapes) into the sparse layout.
 
-    gate, up: [n_ff, d]. down: [n_ff, d] if down_transposed (PowerInfer's ffn_down_t) else [d, n_ff] (ffn_down).
-    dtype: storage/compute dtype (default: that of gate). The copy is the only one made; sources may be mmap views.
+    gate, up: [n_ff, d]; gate None for a gate-less FFN (Falcon, OPT), which may have an up bias [n_ff]. down:
+    [n_ff, d] if down_transposed (PowerInfer's ffn_down_t) else [d, n_ff] (ffn_down). dtype: storage/compute dtype
+    (default: that of up). The copy is the only one made; sources may be mmap views.
     """
-    if act not in ACTIVATIONS:
-        raise PinferError(f"unknown FFN activation '{act}' (expected one of {', '.join(ACTIVATIONS)})")
-    gate, up, down = (torch.as_tensor(t) for t in (gate, up, down))
-    dtype = dtype or gate.dtype
-    n_ff, d = gate.shape
+    allowed = ACTIVATIONS if gate is not None else GATELESS_ACTIVATIONS
+    if act not in allowed:
+        raise PinferError(f"unknown FFN activation '{act}' {'with' if gate is not None else 'without'} a gate "
+                          f"(expected one of {', '.join(allowed)})")
+    mats = [torch.as_tensor(t) for t in (gate, up) if t is not None]
+    down = torch.as_tensor(down)
+    dtype = dtype or mats[-1].dtype
+    n_ff, d = mats[-1].shape
     down_shape = (n_ff, d) if down_transposed else (d, n_ff)
-    if up.shape != (n_ff, d) or tuple(down.shape) != down_shape:
-        raise PinferError(f"FFN shapes do not match: gate {tuple(gate.shape)}, up {tuple(up.shape)}, "
-                          f"down{'_t' if down_transposed else ''} {tuple(down.shape)} (expected {down_shape}); "
-                          f"the model file is inconsistent")
-    gate_up = _huge_empty((n_ff, 2, d), dtype)
-    gate_up[:, 0].copy_(gate)
-    gate_up[:, 1].copy_(up)
+    if any(m.shape != (n_ff, d) for m in mats) or tuple(down.shape) != down_shape:
+        raise PinferError(f"FFN shapes do not match: {'gate, ' if gate is not None else ''}up "
+                          f"{[tuple(m.shape) for m in mats]}, down{'_t' if down_transposed else ''} "
+                          f"{tuple(down.shape)} (expected {down_shape}); the model file is inconsistent")
+    gate_up = _huge_empty((n_ff, len(mats), d), dtype)
+    for j, m in enumerate(mats):
+        gate_up[:, j].copy_(m)
     down_t = _huge_empty((n_ff, d), dtype)
     down_t.copy_(down if down_transposed else down.T)
-    return FFNWeights(gate_up, down_t, act)
+    bias = None if up_bias is None else torch.as_tensor(up_bias).to(dtype).reshape(n_ff).contiguous()
+    return FFNWeights(gate_up, down_t, act, bias)
 
 
 @dataclass(eq=False)
@@ -201,10 +222,9 @@ class FFNRows:
         if self._packed is None:
             if self.down_t is None:
                 raise ValueError("no down_t rows: the loader builds FFNRows with down_t for sparse execution")
-            if self.gate is None or self.up_bias is not None:
-                raise PinferError("the torch fallback has no gate-less FFN; build pinfer's C++ kernels (needs g++)")
-            self._packed = pack_ffn(self.gate.dequantize(), self.up.dequantize(), self.down_t.dequantize(),
-                                    down_transposed=True, act=self.act)
+            self._packed = pack_ffn(None if self.gate is None else self.gate.dequantize(), self.up.dequantize(),
+                                    self.down_t.dequantize(), down_transposed=True, act=self.act,
+                                    up_bias=self.up_bias)
         return self._packed
 
     def pre_activations(self, x: torch.Tensor, idx: torch.Tensor | None = None
@@ -251,9 +271,15 @@ def activate(gate: torch.Tensor | None, up: torch.Tensor, act: str) -> torch.Ten
     raise ValueError(f"unknown FFN activation {act!r} {'with' if gate is not None else 'without'} a gate")
 
 
-def _activate(a: torch.Tensor, act: str) -> torch.Tensor:
-    """a: (..., 2) pairs (gate, up) -> hidden activations (...)."""
-    return activate(a[..., 0], a[..., 1], act)
+def _activate(w: FFNWeights, a: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """a: (T, k, rows_per_neuron) pre-activations (gate, up) or (up,) of neurons idx (all by default) -> hidden
+    activations (T, k)."""
+    if w.gated:
+        return activate(a[..., 0], a[..., 1], w.act)
+    u = a[..., 0]
+    if w.up_bias is not None:
+        u = u + (w.up_bias if idx is None else w.up_bias[idx])
+    return activate(None, u, w.act)
 
 
 def ffn_dense(w: FFNRows | FFNWeights, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,8 +294,9 @@ def ffn_dense(w: FFNRows | FFNWeights, x: torch.Tensor, keep: torch.Tensor | Non
         if keep is not None:
             h = h * _keep_mask(keep, w.n_ff)
         return w.down(h)
-    a = F.linear(x, w.gate_up.view(2 * w.n_ff, w.n_embd))  # (T, 2 n_ff), pairs (gate_i, up_i)
-    h = _activate(a.view(-1, w.n_ff, 2), w.act)  # (T, n_ff)
+    g = w.rows_per_neuron
+    a = F.linear(x, w.gate_up.view(g * w.n_ff, w.n_embd))  # (T, g n_ff), pairs (gate_i, up_i) or up_i alone
+    h = _activate(w, a.view(-1, w.n_ff, g))  # (T, n_ff)
     if keep is not None:
         h = h * _keep_mask(keep, w.n_ff, h.dtype)
     return h @ w.down_t
@@ -311,23 +338,24 @@ _ws = _Workspace()
 
 
 def _sddmm_gate_up(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor, parts: int) -> torch.Tensor:
-    """(T, k, 2) gate/up pre-activations of neurons idx for every row of x, reading the rows in place.
+    """(T, k, g) gate/up pre-activations of neurons idx for every row of x (g = 2; 1 for gate-less FFNs, up alone),
+    reading the rows in place.
 
     The CSR pattern has one row per token (T > 1) or, for one token, `parts` rows that split idx between threads
     (sampled_addmm parallelises over CSR rows). Few ops: at 10% of a 1B model's layer the whole call is ~1 ms."""
-    T, k = x.shape[0], idx.numel()
-    cols = w.pair_rows[idx].view(-1)  # rows 2i, 2i+1 of gate_up viewed as [2 n_ff, d]
+    T, k, g = x.shape[0], idx.numel(), w.rows_per_neuron
+    cols = w.pair_rows[idx].view(-1)  # rows 2i, 2i+1 of gate_up viewed as [2 n_ff, d] (gate-less: row i)
     if T == 1 and parts > 1 and k >= 2 * parts:
-        crow = torch.tensor([i * k // parts * 2 for i in range(parts + 1)])  # cut between (gate, up) pairs
+        crow = torch.tensor([i * k // parts * g for i in range(parts + 1)])  # cut between (gate, up) pairs
         mat1 = x.expand(parts, -1).contiguous()
     else:
         parts = T
-        crow = torch.tensor([i * 2 * k for i in range(T + 1)])
+        crow = torch.tensor([i * g * k for i in range(T + 1)])
         cols = cols.repeat(T) if T > 1 else cols
         mat1 = x
-    pattern = torch.sparse_csr_tensor(crow, cols, x.new_zeros(cols.numel()), size=(parts, 2 * w.n_ff),
+    pattern = torch.sparse_csr_tensor(crow, cols, x.new_zeros(cols.numel()), size=(parts, g * w.n_ff),
                                       check_invariants=False)
-    return torch.sparse.sampled_addmm(pattern, mat1, w.rows_t, beta=0.0).values().view(T, k, 2)
+    return torch.sparse.sampled_addmm(pattern, mat1, w.rows_t, beta=0.0).values().view(T, k, g)
 
 
 _OFFSET0 = torch.zeros(1, dtype=torch.long)
@@ -354,6 +382,19 @@ def kernel_applies(w: FFNWeights, T: int) -> bool:
     return T <= KERNEL_MAX_T and w.dtype == torch.float32 and cpu_kernels.available()
 
 
+def _packed_kernel(w: FFNWeights, x: torch.Tensor, idx: torch.Tensor | None, row_mask: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, int]:
+    """The C++ kernel over the float32 copy: ffn_sparse_rows for gated FFNs; gate-less ones (act 3, 4 with the up
+    bias) go through qffn_sparse, which reads F32 rows in place as well (the up rows have a row stride of one row)."""
+    rm = None if row_mask is None else row_mask.to(torch.bool).contiguous()
+    if w.gated:
+        return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t,
+                                                w.all_idx if idx is None else idx.contiguous(), rm, ACT_CODES[w.act])
+    f32 = int(GGMLQuantizationType.F32)
+    return torch.ops.pinfer.qffn_sparse(x.float().contiguous(), None, 0, w.up, f32, w.down_t, f32,
+                                        None if idx is None else idx.contiguous(), rm, w.code, w.up_bias, 0.0)
+
+
 def ffn_sparse(w: FFNRows | FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, threads: int | None = None,
                row_mask: torch.Tensor | None = None, use_kernels: bool = True) -> torch.Tensor:
     """The FFN for x [T, d] computed on neurons idx only (LongTensor, sorted or not, no duplicates): the dense FFN with
@@ -373,17 +414,15 @@ def ffn_sparse(w: FFNRows | FFNWeights, x: torch.Tensor, idx: torch.Tensor, *, t
         h = w.hidden(x, idx)  # many tokens: the selected rows dequantised into a workspace, then GEMMs
         return w.down(h if row_mask is None else h * row_mask, idx)
     if use_kernels and kernel_applies(w, T):
-        rm = None if row_mask is None else row_mask.to(torch.bool).contiguous()
-        return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, idx.contiguous(), rm,
-                                                ACT_CODES[w.act])[0]
-    d = w.n_embd
+        return _packed_kernel(w, x, idx, row_mask)[0]
+    d, g = w.n_embd, w.rows_per_neuron
     parts = threads or torch.get_num_threads()
     if T < GATHER_MIN_T and w.dtype in SDDMM_DTYPES:
-        a = _sddmm_gate_up(w, x, idx, parts)  # (T, k, 2)
+        a = _sddmm_gate_up(w, x, idx, parts)  # (T, k, g)
     else:  # sampled_addmm has no half-precision CPU kernel: gather the rows once, then one GEMM
-        gu = torch.index_select(w.gate_up.view(w.n_ff, 2 * d), 0, idx, out=_ws.get("gate_up", k, 2 * d, w.dtype))
-        a = F.linear(x, gu.view(2 * k, d)).view(T, k, 2)
-    h = _activate(a, w.act)  # (T, k)
+        gu = torch.index_select(w.gate_up.view(w.n_ff, g * d), 0, idx, out=_ws.get("gate_up", k, g * d, w.dtype))
+        a = F.linear(x, gu.view(g * k, d)).view(T, k, g)
+    h = _activate(w, a, idx)  # (T, k)
     if row_mask is not None:
         h = h * row_mask
     if T < GATHER_MIN_T:
@@ -405,10 +444,9 @@ def ffn_exact(w: FFNRows | FFNWeights, x: torch.Tensor, cats: float = 0.0, idx: 
         if x.shape[0] > KERNEL_MAX_T or (w.act == "silu" and cats <= 0):
             return None
         return _qffn(w, x, idx, None, cats)
-    if w.act == "silu" or not kernel_applies(w, x.shape[0]):
+    if w.act in ("silu", "gelu") or not kernel_applies(w, x.shape[0]):
         return None  # SwiGLU (CATS): the masker computes the masks
-    return torch.ops.pinfer.ffn_sparse_rows(x.contiguous(), w.gate_up, w.down_t, w.all_idx if idx is None else idx,
-                                            None, ACT_CODES[w.act])
+    return _packed_kernel(w, x, idx, None)
 
 
 # --- dense or sparse ---------------------------------------------------------------------------------------------
@@ -445,8 +483,9 @@ def ffn_masked(w: FFNRows | FFNWeights, x: torch.Tensor, mask: torch.Tensor) -> 
         if not w.kernels:
             return ffn_masked(w.packed(), x, mask)
         return w.down(w.hidden(x) * mask)
-    a = F.linear(x, w.gate_up.view(2 * w.n_ff, w.n_embd))  # (T, 2 n_ff)
-    return (_activate(a.view(-1, w.n_ff, 2), w.act) * mask) @ w.down_t
+    g = w.rows_per_neuron
+    a = F.linear(x, w.gate_up.view(g * w.n_ff, w.n_embd))  # (T, g n_ff)
+    return (_activate(w, a.view(-1, w.n_ff, g)) * mask) @ w.down_t
 
 
 def ffn_auto(w: FFNRows | FFNWeights, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

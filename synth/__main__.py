@@ -37,7 +37,8 @@ def cli(
     gate_rank: Annotated[int | None, typer.Option(help="rank of the gate rows' shared subspace (default n_embd/32; "
                                                   "0: isotropic)")] = None,
     gate_noise: Annotated[float, typer.Option(help="share of gate-row variance outside that subspace")] = 0.1,
-    variant: Annotated[str, typer.Option(help="relu (ReGLU, arch llama) | drelu (arch bamboo)")] = "relu",
+    variant: Annotated[str, typer.Option(help="relu (ReGLU, arch llama) | drelu (arch bamboo) | falcon (ReluFalcon) | "
+                                              "opt (ReLU OPT)")] = "relu",
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     calib_tokens: Annotated[int, typer.Option(help="calibration tokens per layer")] = 2048,
     logit_std: Annotated[float, typer.Option(help="std of the logits across the vocabulary")] = 6.5,

