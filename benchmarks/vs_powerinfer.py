@@ -54,7 +54,7 @@ _LOAD = re.compile(r"load time =\s*([\d.]+) ms")
 def run_powerinfer(main: str, model: Path, threads: int, tokens: int) -> dict:
     cmd = [main, "-m", str(model), "-p", PROMPT, "-n", str(tokens), "-t", str(threads), "--temp", "0", "-c", "256",
            "--ignore-eos", "--seed", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=model.parent)  # it writes main.log into its cwd
     if out.returncode != 0:
         raise SystemExit(f"PowerInfer failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}")
     evals = [m for m in _EVAL.finditer(out.stderr) if "prompt eval" not in out.stderr[max(0, m.start() - 8):m.start()]]
@@ -75,12 +75,13 @@ def make_models(args) -> list[Path]:
 
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
-    f16 = d / "pi-1b-f16.gguf"
-    if not f16.exists():
-        generate_fast(f16, "1b", "f16", stats=False, say=print)  # PowerInfer loads no tensor it does not know
+    tag = "" if args.sparsity == 0.9 else f"-s{args.sparsity:g}"
+    f16 = d / f"pi-1b{tag}-f16.gguf"
+    if not f16.exists():  # stats=False: PowerInfer loads no tensor it does not know
+        generate_fast(f16, "1b", "f16", sparsity=args.sparsity, stats=False, say=print)
     models = [f16]
     if args.quantize:
-        q4 = d / "pi-1b-q4_0.gguf"
+        q4 = d / f"pi-1b{tag}-q4_0.gguf"
         if not q4.exists():
             subprocess.run([args.quantize, str(f16), str(q4), "q4_0"], check=True, capture_output=True)
         models.append(q4)
@@ -93,6 +94,8 @@ def main() -> None:
     ap.add_argument("--quantize", help="PowerInfer's quantize, to make the Q4_0 file")
     ap.add_argument("--model", action="append", help="use these files instead of making them (repeatable)")
     ap.add_argument("--dir", default="/tmp/pinfer-bench")
+    ap.add_argument("--sparsity", type=float, default=0.9, help="planted sparsity of the made models (their "
+                    "predictors select somewhat more: pi-run reports the fraction it computed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)

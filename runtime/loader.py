@@ -2,9 +2,9 @@
 
 No weight is copied: every matrix is a QWeight over the file's read-only memory map (runtime/weights.py), so loading
 is parsing the header plus these views, and a model needs about its file size in memory. Two exceptions, both
-reported in Load.notices: types without a C++ kernel (and everything when the kernels are unavailable) run on float32
-copies made on first use, and sparse mode over a file without PowerInfer's neuron-major ffn_down_t transposes
-ffn_down once, in memory, in the file's own encoding.
+reported in Load.notices: types without a C++ kernel (Q5_0, Q5_1, K-quants) are re-encoded once as Q8_0 (without
+the kernels, everything runs on float32 copies made on first use), and sparse mode over a file without PowerInfer's
+neuron-major ffn_down_t transposes ffn_down once, in memory, in the file's own encoding.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .linear import Embedding, Linear
 from .model import BlockWeights, Norm, Transformer
 from .predictor import load_predictors
 from .sparse_ops import FFNRows
-from .weights import QWeight, quantize_like, qweight, vector
+from .weights import QWeight, as_q8_0, quantize_like, qweight, vector
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Load:
 
     notices: list[str] = field(default_factory=list)
     float_copies: dict[str, int] = field(default_factory=dict)  # type name -> bytes of float32 copies
+    requantised: dict[str, int] = field(default_factory=dict)  # type name -> bytes of its Q8_0 re-encoding
+    requantised_s: float = 0.0
     transposed_bytes: int = 0
     transposed_s: float = 0.0
 
@@ -92,20 +94,35 @@ def transposed(w: QWeight) -> QWeight:
     return quantize_like(qops.rows(w, 0, w.rows).T.contiguous(), target, w.name.replace("ffn_down", "ffn_down_t"))
 
 
+def matrix(f: GGUFFile, name: str, load: Load) -> QWeight:
+    """A weight the layers multiply by, read in place when a C++ kernel reads its type. Other types (Q5_0, Q5_1,
+    K-quants; llama.cpp's Q4_0 files keep the output head as Q6_K) are re-encoded once as Q8_0, which the kernels
+    read: a float32 copy would cost 3.8x the memory and the bandwidth of every token (the 1B Q4_0 file's Q6_K head:
+    70 MB as Q8_0, 262 MB as float32)."""
+    w = qweight(f, name)
+    if w.in_kernel or not qops.available():
+        return w
+    t0 = time.perf_counter()
+    q = as_q8_0(w)
+    load.requantised_s += time.perf_counter() - t0
+    load.requantised[w.type_name] = load.requantised.get(w.type_name, 0) + q.nbytes
+    return q
+
+
 def ffn_rows(f: GGUFFile, cfg: ModelConfig, i: int, sparse: bool, load: Load) -> tuple[FFNRows, Linear | None]:
     """The layer's FFN rows and, for files that store ffn_down, the dense down projection. Sparse execution needs
     neuron-major down rows: the file's ffn_down_t, or ffn_down transposed once in memory."""
     t = lambda template: C.tensor(template, i)  # noqa: E731
-    gate = qweight(f, t(C.FFN_GATE)) if cfg.gated else None
-    up = qweight(f, t(C.FFN_UP))
+    gate = matrix(f, t(C.FFN_GATE), load) if cfg.gated else None
+    up = matrix(f, t(C.FFN_UP), load)
     down, down_t = None, None
     if cfg.down_transposed:
-        down_t = qweight(f, t(C.FFN_DOWN_T))
+        down_t = matrix(f, t(C.FFN_DOWN_T), load)
     else:
-        w = qweight(f, t(C.FFN_DOWN))
+        w = matrix(f, t(C.FFN_DOWN), load)
         down = Linear([w])
         if sparse and f.has(t(C.FFN_DOWN_T)):  # stored beside ffn_down by `pi-profile --store-down-t`
-            down_t = qweight(f, t(C.FFN_DOWN_T))
+            down_t = matrix(f, t(C.FFN_DOWN_T), load)
         elif sparse:
             t0 = time.perf_counter()
             down_t = transposed(w)
@@ -158,15 +175,15 @@ def load_block(f: GGUFFile, cfg: ModelConfig, i: int, masker, load: Load) -> Blo
     if cfg.arch == "falcon":  # one attn_norm feeds both branches (7B), or attn_norm_2 feeds attention (40B layout)
         ffn_norm = norm(f, cfg, t(C.ATTN_NORM), t(C.ATTN_NORM_B))
         attn_norm = norm(f, cfg, t(C.ATTN_NORM_2), t(C.ATTN_NORM_2_B)) if f.has(t(C.ATTN_NORM_2)) else ffn_norm
-        wqkv = Linear([qweight(f, t(C.ATTN_QKV))])  # already [all q | all k | all v] (llama.cpp's converter)
+        wqkv = Linear([matrix(f, t(C.ATTN_QKV), load)])  # already [all q | all k | all v] (llama.cpp's converter)
     else:
         attn_norm = norm(f, cfg, t(C.ATTN_NORM), t(C.ATTN_NORM_B))
         ffn_norm = norm(f, cfg, t(C.FFN_NORM), t(C.FFN_NORM_B))
-        wqkv = Linear([qweight(f, t(C.ATTN_Q)), qweight(f, t(C.ATTN_K)), qweight(f, t(C.ATTN_V))])
+        wqkv = Linear([matrix(f, t(tmpl), load) for tmpl in (C.ATTN_Q, C.ATTN_K, C.ATTN_V)])
     return BlockWeights(
         attn_norm=attn_norm,
         wqkv=wqkv,
-        wo=Linear([qweight(f, t(C.ATTN_OUT))]),
+        wo=Linear([matrix(f, t(C.ATTN_OUT), load)]),
         ffn_norm=ffn_norm,
         ffn=DenseFFN(rows, down) if masker is None else SparseFFN(rows, masker),
         bqkv=qkv_bias(f, cfg, i),
@@ -202,6 +219,11 @@ def _report(tr: Transformer, load: Load) -> None:
                else f"pinfer has no kernel for {types}")
         load.notices.append(f"{why}: those weights run on float32 copies made on first use ({gb:.2f} GB more "
                             f"memory; requantise to Q4_0, Q8_0 or F16 to avoid it)")
+    if load.requantised:
+        types = ", ".join(sorted(load.requantised))
+        load.notices.append(f"pinfer has no kernel for {types}: those weights were re-encoded as Q8_0 at load "
+                            f"({sum(load.requantised.values()) / 1e9:.2f} GB of memory, {load.requantised_s:.1f} s); "
+                            f"requantise the file to Q4_0, Q8_0 or F16 to avoid it")
     if load.transposed_bytes:
         load.notices.append(f"sparse mode: the file has no ffn_down_t, so ffn_down was transposed in memory "
                             f"({load.transposed_bytes / 1e9:.2f} GB, {load.transposed_s:.1f} s); "
@@ -224,6 +246,6 @@ def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mod
     out_name = C.TOKEN_EMBD if cfg.tied_embeddings else C.OUTPUT
     pos = Embedding(qweight(f, C.POS_EMBD)) if cfg.arch == "opt" else None
     tr = Transformer(cfg, blocks, Embedding(qweight(f, C.TOKEN_EMBD)), norm(f, cfg, C.OUTPUT_NORM, C.OUTPUT_NORM_B),
-                     Linear([qweight(f, out_name)]), max_ctx, pos)
+                     Linear([matrix(f, out_name, load)]), max_ctx, pos)
     _report(tr, load)
     return tr, load

@@ -41,6 +41,13 @@ def serve(
     dense: Annotated[bool, typer.Option("--dense", help="Compute every FFN neuron.")] = False,
     oracle_masks: Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN with exact masks (for debugging "
                                                "and benchmarks).")] = False,
+    gpu: Annotated[str, typer.Option("--gpu", help="auto (a CUDA GPU when CuPy finds one), none, cuda (insist), or "
+                                     "reference (the CPU stand-in for the GPU, for testing).")] = "auto",
+    placement: Annotated[str, typer.Option("--placement", help="With a GPU: plan (the file's plan, PowerInfer's "
+                                           ".gpuidx, or one made now), or a baseline: layers, powerinfer, cpu, "
+                                           "gpu.")] = "plan",
+    vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM pi-serve may use "
+                                                      "(default: what is free, less 0.5 GiB).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
 ) -> None:
     """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
@@ -55,7 +62,9 @@ def serve(
 
         from .server import create_app
 
-        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode)
+        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
+                       placement=placement, vram_budget=vram_budget,
+                       say=lambda msg: print(f"pi-serve: {msg}", file=sys.stderr, flush=True))
         app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads)
         run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key))
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
@@ -86,7 +95,9 @@ def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: b
     logging.basicConfig(level=logging.INFO, format="pi-serve: %(message)s")
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    print(f"pi-serve: {model_id} on {url}/v1 (context {m.ctx_size}, {m.threads} threads, FFN {m.ffn_mode}, "
+    gpu = m.hybrid_report()
+    on = f", GPU {gpu['gpu']} ({gpu['placement']['name']})" if gpu else ""
+    print(f"pi-serve: {model_id} on {url}/v1 (context {m.ctx_size}, {m.threads} threads, FFN {m.ffn_mode}{on}, "
           f"queue {queue}{', API key required' if auth else ''})", file=sys.stderr, flush=True)
     config = uvicorn.Config(app_, log_level="info", timeout_graceful_shutdown=3)
     try:

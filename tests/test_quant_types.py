@@ -1,13 +1,15 @@
 """Every supported ggml type loads and runs: logits equal those of an F32 file holding the dequantised values.
 
-Types with a C++ kernel (F32, F16, BF16, Q4_0, Q4_1, Q8_0) are read in place; the others run on float32 copies. Both
-are checked at decode size (one token at a time, the GEMV kernels) and at prefill size (many rows, the GEMM path).
+Types with a C++ kernel (F32, F16, BF16, Q4_0, Q4_1, Q8_0) are read in place; the others are re-encoded once as Q8_0
+(float32 copies when the kernels are unavailable). Both are checked at decode size (one token at a time, the GEMV
+kernels) and at prefill size (many rows, the GEMM path).
 """
 
 import os
 
 import numpy as np
 import pytest
+import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
@@ -15,7 +17,8 @@ from formats.model_writer import write_llama
 from formats.reader import open_gguf
 from formats.writer import RawTensor
 from runtime import load_model, qops
-from runtime.weights import KERNEL_TYPES, SUPPORTED_TYPES, qweight
+from runtime.loader import _matrices
+from runtime.weights import KERNEL_TYPES, SUPPORTED_TYPES, QWeight, as_q8_0, qweight
 from tests.tiny import random_weights, tiny_config
 
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16]  # gguf.quants can write these
@@ -102,10 +105,23 @@ def test_kernels_read_the_kernel_types_in_place(model):
             w = qweight(f, name)
             assert qops.kernels_for(w) == (KERNELS and w.qtype in KERNEL_TYPES), name
     notes = " ".join(m.notices)
-    if kind == "kernel-types" and KERNELS:
-        assert "float32 copies" not in notes
+    if KERNELS:
+        assert all(w.in_kernel for w in _matrices(m.transformer))  # every matrix the layers use, a kernel reads
+        assert ("re-encoded as Q8_0" in notes) == (kind == "every-type") and "float32 copies" not in notes
     else:
         assert "float32 copies" in notes
+
+
+@pytest.mark.parametrize("qt", [T.Q5_0, T.Q5_1, *K_QUANTS])
+def test_q8_0_re_encoding_is_ggmls(qt):
+    """A type without a kernel becomes exactly the Q8_0 that gguf.quants makes of its dequantised values."""
+    rng = np.random.default_rng(int(qt))
+    a = rng.standard_normal((40, 512)).astype(np.float32)
+    raw = encode(qt, a, rng).data
+    w = QWeight("w", qt, 40, 512, torch.from_numpy(np.ascontiguousarray(raw).reshape(40, -1)))
+    q = as_q8_0(w, chunk_rows=16)  # chunks that do not divide the rows
+    want = quants.quantize(quants.dequantize(np.asarray(raw).reshape(40, -1), qt), T.Q8_0)
+    assert q.qtype == T.Q8_0 and np.array_equal(q.data.numpy(), np.asarray(want).reshape(40, -1))
 
 
 @pytest.mark.parametrize("n", [13, 40])  # 13 tokens: decode one at a time and a small batch; 40: the GEMM path

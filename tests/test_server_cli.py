@@ -65,12 +65,36 @@ def test_bad_options(model, args, needle):
     one_line_error([model, "--port", "0", *args], needle)
 
 
+def test_placement_options_reach_the_model(model):
+    # a placement that needs a GPU, with none allowed: the loader's one-line refusal, so the options got through
+    one_line_error([model, "--port", "0", "--gpu", "none", "--placement", "layers"], "need a GPU")
+
+
+def test_serves_on_the_reference_device(model):
+    """--gpu reference: the hybrid executor with the CPU stand-in for the GPU serves the same greedy answer."""
+    from starlette.testclient import TestClient
+
+    from runtime import load_model
+    from runtime.server import create_app
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    answers = []
+    for gpu in ("none", "reference"):
+        m = load_model(model, threads=1, gpu=gpu, placement="layers" if gpu == "reference" else "plan")
+        assert (m.hybrid_report() is not None) == (gpu == "reference")
+        with TestClient(create_app(m, names=[str(model)])) as c:
+            answers.append(c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1]
+
+
 def test_serves_and_stops_on_sigint(model):
     p = subprocess.Popen([sys.executable, "-m", "runtime.serve_cli", str(model), "--port", "0", "-t", "1",
                           "--api-key", "k"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=os.environ | {"PYTHONUNBUFFERED": "1"})
     try:
-        line = p.stderr.readline()  # the first line says where it listens
+        line = ""
+        while " on http" not in line and p.poll() is None:  # the line that says where it listens
+            line = p.stderr.readline()
         url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1 ", line)
         assert url, line
         url = url.group(1)
