@@ -336,7 +336,9 @@ def main() -> None:
     ap.add_argument("--workdir", help="where the copies go (default: a temporary directory, removed)")
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("-n", type=int, default=24, help="tokens to generate")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="engine threads (default 1: PowerInfer's multithreaded "
+                    "sparse kernels are not deterministic; with 2 threads an untouched tiny model's greedy tokens and "
+                    "perplexities vary between runs, by 2e-2 once)")
     ap.add_argument("--tokens", type=int, default=2000, help="tokens pi-profile profiles")
     ap.add_argument("--train-tokens", type=int, default=4000, help="tokens pi-profile profiles to train predictors")
     ap.add_argument("--json", action="store_true")
