@@ -1,4 +1,7 @@
-"""Our forward pass against HF transformers' LlamaForCausalLM on the same fp32 weights."""
+"""Our forward pass against HF transformers' LlamaForCausalLM on the same fp32 weights, through pinfer's C++ kernels
+and through torch's operators alone (the fallback when no compiler is found)."""
+
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +12,17 @@ from formats import constants as C
 from formats.model_writer import write_llama
 from runtime import cpu_kernels, load_model
 from tests.tiny import tiny_config
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif os.environ.get("PINFER_CPU_KERNELS") == "0":
+        pytest.skip("PINFER_CPU_KERNELS=0")
+    else:
+        assert cpu_kernels.available(), cpu_kernels.status()
+    return request.param
 
 
 def gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -66,7 +80,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_logits_match_transformers(tmp_path, case):
+def test_logits_match_transformers(tmp_path, case, backend):
     cfg = tiny_config(**CASES[case])
     hf = make_hf(cfg)
     path = tmp_path / "m.gguf"
@@ -84,7 +98,7 @@ def test_logits_match_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["mha", "gqa", "mqa_rope_base", "rope_linear_scaling"])
-def test_decode_steps_match_transformers(tmp_path, case):
+def test_decode_steps_match_transformers(tmp_path, case, backend):
     """Token-by-token decode (fp32 models run RMSNorm and attention as runtime/csrc ops for T = 1) against HF's
     logits for the same prefix."""
     cfg = tiny_config(**CASES[case])
@@ -94,7 +108,7 @@ def test_decode_steps_match_transformers(tmp_path, case):
     m = load_model(path, threads=2)
     ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 24))
     tr = m.transformer
-    assert tr.fused == cpu_kernels.available()
+    assert tr.fused == (backend == "kernels")
     with torch.inference_mode():
         ours = torch.cat([tr.forward(torch.tensor([t]), p) for p, t in enumerate(ids)]).numpy()
         ref = hf(torch.tensor([ids])).logits[0].float().numpy()
