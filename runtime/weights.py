@@ -125,8 +125,8 @@ def vector(f: GGUFFile, name: str) -> torch.Tensor:
 
 def q8_0_bytes(a: torch.Tensor) -> torch.Tensor:
     """float32 [rows, cols] (cols a multiple of 32) encoded as ggml's Q8_0: per block of 32, an f16 scale
-    d = max|x| / 127 and 32 int8 round(x / d), ties away from zero. The same bytes as ggml and gguf.quants.quantize,
-    done by torch: 10x faster for the weights pinfer must encode at load."""
+    d = max|x| / 127 and 32 int8 round(x / d), ties away from zero: the same bytes as ggml and gguf.quants.quantize
+    (tested), and about as fast (0.20 s vs 0.17 s for 8192 x 2048 here), without leaving torch."""
     rows, cols = a.shape
     blocks = a.float().reshape(rows, cols // 32, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
