@@ -12,6 +12,21 @@ torch.set_num_threads(2)
 TEST_CACHE = os.path.join(tempfile.gettempdir(), f"pinfer-test-cache-{os.getuid()}")
 
 
+@pytest.fixture(params=["kernels", "torch"])
+def kernels(request, monkeypatch):
+    """Each test twice: through pinfer's C++ kernels (norms, attention, matrix products, FFN) and through torch's
+    operators alone, as on a machine without a compiler. A kernel library that fails to build is a failure."""
+    from runtime import cpu_kernels
+
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif os.environ.get("PINFER_CPU_KERNELS") == "0":
+        pytest.skip("PINFER_CPU_KERNELS=0")
+    else:
+        assert cpu_kernels.available(), cpu_kernels.status()
+    return request.param
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_caches(tmp_path_factory):
     """No test writes the real ~/.cache: pinfer's cache goes to TEST_CACHE and anything else that honours

@@ -2,7 +2,6 @@
 HF's own FFN activations, pi-profile's predictors, pi-plan's byte accounting and plans, and the hybrid executor."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from typer.testing import CliRunner
 import synth
 from formats import constants as C
 from formats.reader import open_gguf
-from runtime import cpu_kernels, hybrid, load_model
+from runtime import hybrid, load_model
 from runtime.activity import activation_rule
 from runtime.corpus import HELDOUT
 from runtime.gpu import ReferenceDevice
@@ -21,15 +20,6 @@ from tests import hf_archs as H
 from tests.test_hybrid import logits, random_placement
 
 ARCHS = ["falcon", "opt"]
-
-
-@pytest.fixture(params=["kernels", "torch"])
-def kernels(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif os.environ.get("PINFER_CPU_KERNELS") == "0":
-        pytest.skip("PINFER_CPU_KERNELS=0")
-    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ through pinfer's C++ kernels and through torch's operators (the fallback), from 
 PowerInfer's PWRI layout; the byte-level BPE tokenizer of such files against HF's."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -14,22 +13,10 @@ from transformers import PreTrainedTokenizerFast
 from formats import constants as C
 from formats.errors import PinferError
 from formats.model_writer import byte_vocab
-from runtime import cpu_kernels, load_model
+from runtime import load_model
 from tests import hf_archs as H
 
 TOL = 1e-4
-
-
-@pytest.fixture(params=["kernels", "torch"])
-def kernels(request, monkeypatch):
-    """Each test twice: pinfer's C++ kernels (norms, attention, FFN) and torch's operators alone (no compiler)."""
-    if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif os.environ.get("PINFER_CPU_KERNELS") == "0":
-        pytest.skip("PINFER_CPU_KERNELS=0")
-    else:
-        assert cpu_kernels.available(), cpu_kernels.status()
-    return request.param
 
 
 def check_against_hf(m, hf, n: int = 40, seed: int = 1):

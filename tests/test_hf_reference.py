@@ -1,7 +1,6 @@
 """Our forward pass against HF transformers' LlamaForCausalLM on the same fp32 weights, through pinfer's C++ kernels
 and through torch's operators alone (the fallback when no compiler is found)."""
 
-import os
 
 import numpy as np
 import pytest
@@ -10,19 +9,8 @@ import transformers  # the test extra: a missing reference is a failure, not a s
 
 from formats import constants as C
 from formats.model_writer import write_llama
-from runtime import cpu_kernels, load_model
+from runtime import load_model
 from tests.tiny import tiny_config
-
-
-@pytest.fixture(params=["kernels", "torch"])
-def backend(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif os.environ.get("PINFER_CPU_KERNELS") == "0":
-        pytest.skip("PINFER_CPU_KERNELS=0")
-    else:
-        assert cpu_kernels.available(), cpu_kernels.status()
-    return request.param
 
 
 def gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -80,7 +68,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_logits_match_transformers(tmp_path, case, backend):
+def test_logits_match_transformers(tmp_path, case, kernels):
     cfg = tiny_config(**CASES[case])
     hf = make_hf(cfg)
     path = tmp_path / "m.gguf"
@@ -98,7 +86,7 @@ def test_logits_match_transformers(tmp_path, case, backend):
 
 
 @pytest.mark.parametrize("case", ["mha", "gqa", "mqa_rope_base", "rope_linear_scaling"])
-def test_decode_steps_match_transformers(tmp_path, case, backend):
+def test_decode_steps_match_transformers(tmp_path, case, kernels):
     """Token-by-token decode (fp32 models run RMSNorm and attention as runtime/csrc ops for T = 1) against HF's
     logits for the same prefix."""
     cfg = tiny_config(**CASES[case])
@@ -108,7 +96,7 @@ def test_decode_steps_match_transformers(tmp_path, case, backend):
     m = load_model(path, threads=2)
     ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 24))
     tr = m.transformer
-    assert tr.fused == (backend == "kernels")
+    assert tr.fused == (kernels == "kernels")
     with torch.inference_mode():
         ours = torch.cat([tr.forward(torch.tensor([t]), p) for p, t in enumerate(ids)]).numpy()
         ref = hf(torch.tensor([ids])).logits[0].float().numpy()
