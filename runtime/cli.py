@@ -76,6 +76,23 @@ def print_summary(m) -> None:
                       f"{t['gpu_wait_ms']:.2f} ms, copies {t['transfer_ms']:.2f} ms")
 
 
+# Options pi-run and pi-serve share: defined once, so the two commands describe them alike.
+FfnAct = Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu; "
+                                            "Falcon, OPT: relu, gelu.")]
+Sparse = Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the default "
+                                      "when the file has predictors).")]
+Dense = Annotated[bool, typer.Option("--dense", help="Compute every FFN neuron.")]
+OracleMasks = Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN with exact masks (ReLU: activation > 0; "
+                                           "SwiGLU: the file's CATS thresholds). For debugging and benchmarks.")]
+Gpu = Annotated[str, typer.Option("--gpu", help="auto (a CUDA GPU when CuPy finds one), none, cuda (insist), or "
+                                  "reference (the CPU stand-in for the GPU, for testing).")]
+PlacementOpt = Annotated[str, typer.Option("--placement", help="With a GPU: plan (the file's plan, PowerInfer's "
+                                           ".gpuidx, or one made now), or a baseline: layers (llama.cpp -ngl), "
+                                           "powerinfer, cpu, gpu.")]
+VramBudget = Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM the model may use (default: "
+                                                  "what is free, less 0.5 GiB).")]
+
+
 @app.command()
 def run(
     model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the demo "
@@ -97,21 +114,13 @@ def run(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template; without -p or "
                                        "-f, an interactive conversation in the terminal.")] = False,
     system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
-    ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu; "
-                                                "Falcon, OPT: relu, gelu.")] = None,
-    sparse: Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the "
-                                         "default when the file has predictors).")] = False,
-    dense: Annotated[bool, typer.Option("--dense", help="Compute every FFN neuron.")] = False,
-    oracle_masks: Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN with exact masks (ReLU: activation "
-                                               "> 0; SwiGLU: the file's CATS thresholds). For debugging and "
-                                               "benchmarks.")] = False,
-    gpu: Annotated[str, typer.Option("--gpu", help="auto (a CUDA GPU when CuPy finds one), none, cuda (insist), or "
-                                     "reference (the CPU stand-in for the GPU, for testing).")] = "auto",
-    placement: Annotated[str, typer.Option("--placement", help="With a GPU: plan (the file's plan, PowerInfer's "
-                                           ".gpuidx, or one made now), or a baseline: layers (llama.cpp -ngl), "
-                                           "powerinfer, cpu, gpu.")] = "plan",
-    vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM pi-run may use (default: "
-                                                      "what is free, less 0.5 GiB).")] = None,
+    ffn_act: FfnAct = None,
+    sparse: Sparse = False,
+    dense: Dense = False,
+    oracle_masks: OracleMasks = False,
+    gpu: Gpu = "auto",
+    placement: PlacementOpt = "plan",
+    vram_budget: VramBudget = None,
     perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
                                                          "(windows of --ctx-size, default 512) instead of generating.")]
     = None,

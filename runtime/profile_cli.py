@@ -25,6 +25,8 @@ import typer
 
 from formats.errors import PinferError, report
 
+from .cli import FfnAct
+
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
@@ -302,8 +304,7 @@ def run(
     out: Annotated[Path | None, typer.Option("-o", "--out", help="Write a new file instead of storing into MODEL.")]
     = None,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
-    ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu; "
-                                                "Falcon, OPT: relu, gelu.")] = None,
+    ffn_act: FfnAct = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for token sampling and training.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,

@@ -15,7 +15,7 @@ import typer
 
 from formats.errors import PinferError, report
 
-from .cli import ffn_mode
+from .cli import Dense, FfnAct, Gpu, OracleMasks, PlacementOpt, Sparse, VramBudget, ffn_mode
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,20 +34,13 @@ def serve(
                                        "with Retry-After.")] = 8,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="PINFER_API_KEY", help="Require "
                                                 "'Authorization: Bearer KEY' (also from $PINFER_API_KEY).")] = None,
-    ffn_act: Annotated[str | None, typer.Option("--ffn-act", help="Override the FFN activation: silu, relu, drelu.")]
-    = None,
-    sparse: Annotated[bool, typer.Option("--sparse", help="Compute only the neurons the predictors select (the "
-                                         "default when the file has predictors).")] = False,
-    dense: Annotated[bool, typer.Option("--dense", help="Compute every FFN neuron.")] = False,
-    oracle_masks: Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN with exact masks (for debugging "
-                                               "and benchmarks).")] = False,
-    gpu: Annotated[str, typer.Option("--gpu", help="auto (a CUDA GPU when CuPy finds one), none, cuda (insist), or "
-                                     "reference (the CPU stand-in for the GPU, for testing).")] = "auto",
-    placement: Annotated[str, typer.Option("--placement", help="With a GPU: plan (the file's plan, PowerInfer's "
-                                           ".gpuidx, or one made now), or a baseline: layers, powerinfer, cpu, "
-                                           "gpu.")] = "plan",
-    vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM pi-serve may use "
-                                                      "(default: what is free, less 0.5 GiB).")] = None,
+    ffn_act: FfnAct = None,
+    sparse: Sparse = False,
+    dense: Dense = False,
+    oracle_masks: OracleMasks = False,
+    gpu: Gpu = "auto",
+    placement: PlacementOpt = "plan",
+    vram_budget: VramBudget = None,
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
 ) -> None:
     """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
