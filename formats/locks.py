@@ -72,24 +72,33 @@ def lock_writer(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX)
 
 
+def _lock_each(fd: int, ranges: list[tuple[int, int]], kind: int) -> list[tuple[int, int]] | None:
+    """Locks of `kind` on the pin space of each non-empty range: the ranges locked, or None, holding nothing, when
+    another descriptor holds a conflicting lock. OSError (no byte-range locks here) propagates, holding nothing."""
+    taken: list[tuple[int, int]] = []
+    try:
+        for lo, hi in ranges:
+            if hi <= lo:
+                continue
+            if not _ofd(fd, fcntl.F_OFD_SETLK, kind, PIN_BASE + lo, hi - lo):
+                release(fd, taken)
+                return None
+            taken.append((lo, hi))
+    except OSError:
+        release(fd, taken)
+        raise
+    return taken
+
+
 def reserve(fd: int, ranges: list[tuple[int, int]]) -> bool:
     """Exclusive locks on the pin space of these byte ranges: True when no reader pins any of them (they may then be
     overwritten or freed until release()). False, holding nothing, otherwise or without OFD locks."""
     if not ofd_available(fd):
         return False
-    taken = []
     try:
-        for lo, hi in ranges:
-            if hi <= lo:
-                continue
-            if not _ofd(fd, fcntl.F_OFD_SETLK, _F_WRLCK, PIN_BASE + lo, hi - lo):
-                release(fd, taken)
-                return False
-            taken.append((lo, hi))
+        return _lock_each(fd, ranges, _F_WRLCK) is not None
     except OSError:  # a file system without byte-range locks: never reuse bytes there
-        release(fd, taken)
         return False
-    return True
 
 
 def release(fd: int, ranges: list[tuple[int, int]]) -> None:
@@ -109,16 +118,7 @@ def pin(fd: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
     then re-reads which section is current)."""
     if not ofd_available(fd):
         return []
-    taken: list[tuple[int, int]] = []
     try:
-        for lo, hi in ranges:
-            if hi <= lo:
-                continue
-            if not _ofd(fd, fcntl.F_OFD_SETLK, _F_RDLCK, PIN_BASE + lo, hi - lo):
-                release(fd, taken)
-                return None
-            taken.append((lo, hi))
+        return _lock_each(fd, ranges, _F_RDLCK)
     except OSError:  # no byte-range locks on this file system: writers there cannot reuse bytes either
-        release(fd, taken)
         return []
-    return taken
