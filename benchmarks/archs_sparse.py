@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_sparse import PROMPT_TOKENS, agreement, lockstep  # noqa: E402
+from benchmarks.e2e_sparse import PROMPT_TOKENS, add_run_args, agreement, lockstep  # noqa: E402
 
 RESULTS = ROOT / "benchmarks/results"
 SHAPES = {"falcon": "12,2048,8192,32,2", "opt": "12,2048,8192,32,32"}  # n_layer,n_embd,n_ff,n_head,n_head_kv
@@ -133,15 +133,7 @@ def main() -> None:
     ap.add_argument("--arch", action="append", choices=list(SHAPES), help="falcon, opt (default: both)")
     ap.add_argument("--shape", help="n_layer,n_embd,n_ff,n_head,n_head_kv (default per arch: "
                     + "; ".join(f"{a} {s}" for a, s in SHAPES.items()) + ")")
-    ap.add_argument("--recall", type=float, default=0.99, help="predictor recall target when training them")
-    ap.add_argument("--dtype", default="f32", choices=["f32", "f16"])
-    ap.add_argument("--sparsity", type=float, default=0.9)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5, help="passes over the decoded tokens")
-    ap.add_argument("--tokens", type=int, default=48, help="tokens decoded per round")
-    ap.add_argument("--agree-tokens", type=int, default=512)
-    ap.add_argument("--no-oracle", action="store_true", help="skip the exact-mask (--oracle-masks) mode")
-    ap.add_argument("--json", action="store_true")
+    add_run_args(ap)
     args = ap.parse_args()
 
     results = [measure(arch, args) for arch in args.arch or list(SHAPES)]

@@ -145,12 +145,9 @@ def agreement(dense, other, ids: list[int]) -> dict:
     return {"positions": len(ids), "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean())}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="default: benchmarks/results/planted-<shape>-<dtype>-s<sparsity>-"
-                    "r<recall>.gguf, made on first use")
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a planted model and its lockstep run, shared with benchmarks/archs_sparse.py."""
     ap.add_argument("--recall", type=float, default=0.99, help="predictor recall target when training them")
-    ap.add_argument("--shape", default="22,2048,5632,32,4", help="n_layer,n_embd,n_ff,n_head,n_head_kv")
     ap.add_argument("--dtype", default="f32", choices=["f32", "f16"])
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=2)
@@ -159,6 +156,14 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=512)
     ap.add_argument("--no-oracle", action="store_true", help="skip the exact-mask (--oracle-masks) mode")
     ap.add_argument("--json", action="store_true")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="default: benchmarks/results/planted-<shape>-<dtype>-s<sparsity>-"
+                    "r<recall>.gguf, made on first use")
+    ap.add_argument("--shape", default="22,2048,5632,32,4", help="n_layer,n_embd,n_ff,n_head,n_head_kv")
+    add_run_args(ap)
     args = ap.parse_args()
 
     args.model = args.model or default_path(args)
