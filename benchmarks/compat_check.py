@@ -207,6 +207,22 @@ def check_engines(rep: Report, eng: Engines, kind: str, step: str, model: Path, 
                 output=r["text"], rc=r["rc"])
 
 
+def run_steps(rep: Report, eng: Engines, kind: str, steps: list, model: Path, digest0: str, base: dict, generators,
+              also=None) -> None:
+    """Each pinfer command writes into `model` in place; then its bytes must still have the untouched file's digest
+    (`also` adds checks) and the engines must give the untouched file's output."""
+    for step, cmd in steps:
+        r = pinfer(*cmd)
+        rep.add(kind, step, "pinfer wrote in place", r["rc"] == 0, f"{r['seconds']} s" if r["rc"] == 0
+                else last_error(r))
+        if r["rc"]:
+            continue
+        rep.add(kind, step, "model bytes unchanged", model_bytes_digest(model) == digest0)
+        if also:
+            also(step)
+        check_engines(rep, eng, kind, step, model, base, generators)
+
+
 def pinfer(tool: str, *args) -> dict:
     return run([BIN / tool, *args])
 
@@ -247,14 +263,7 @@ def check_pwri(rep: Report, eng: Engines, args, work: Path) -> None:
              ("pi-profile --train-predictors", ["pi-profile", model, "--train-predictors", "--tokens",
                                                  args.train_tokens, "--json"]),
              ("pi-plan --export-gpuidx", ["pi-plan", model, "--gpu", "rtx4090", "--export-gpuidx", "--json"])]
-    for step, cmd in steps:
-        r = pinfer(*cmd)
-        rep.add("pwri", step, "pinfer wrote in place", r["rc"] == 0, f"{r['seconds']} s" if r["rc"] == 0
-                else last_error(r))
-        if r["rc"]:
-            continue
-        rep.add("pwri", step, "model bytes unchanged", model_bytes_digest(model) == digest0)
-        check_engines(rep, eng, "pwri", step, model, base, gens)
+    run_steps(rep, eng, "pwri", steps, model, digest0, base, gens)
     gpuidx = Path(str(model) + ".generated.gpuidx")
     if not gpuidx.exists():
         rep.add("pwri", "gpuidx", "pi-plan wrote .generated.gpuidx", False)
@@ -314,15 +323,8 @@ def check_gguf(rep: Report, eng: Engines, args, work: Path) -> None:
     steps = [("pi-profile --sparsity 0.3 -tp", ["pi-profile", model, "--sparsity", "0.3", "--train-predictors",
                                                  "--tokens", args.train_tokens, "--json"]),
              ("pi-plan", ["pi-plan", model, "--gpu", "rtx4090", "--json"])]
-    for step, cmd in steps:
-        r = pinfer(*cmd)
-        rep.add("gguf", step, "pinfer wrote in place", r["rc"] == 0, f"{r['seconds']} s" if r["rc"] == 0
-                else last_error(r))
-        if r["rc"]:
-            continue
-        rep.add("gguf", step, "model bytes unchanged", model_bytes_digest(model) == digest0)
-        rep.add("gguf", step, "gguf-py sees the same file", gguf_py_view(model) == view0)
-        check_engines(rep, eng, "gguf", step, model, base, gens)
+    run_steps(rep, eng, "gguf", steps, model, digest0, base, gens,
+              also=lambda step: rep.add("gguf", step, "gguf-py sees the same file", gguf_py_view(model) == view0))
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from runtime import serve_cli
 from runtime.serve_cli import app
 from tests.tiny_server import write_chat_model
 
@@ -65,8 +66,13 @@ def test_bad_options(model, args, needle):
     one_line_error([model, "--port", "0", *args], needle)
 
 
-def test_placement_options_reach_the_model(model):
+def test_placement_options_reach_the_model(model, monkeypatch):
     # a placement that needs a GPU, with none allowed: the loader's one-line refusal, so the options got through
+    # (were they dropped, the model would load and the server start: that fails here instead of serving forever)
+    def serve(*_):
+        raise AssertionError("it served")
+
+    monkeypatch.setattr(serve_cli, "run_uvicorn", serve)
     one_line_error([model, "--port", "0", "--gpu", "none", "--placement", "layers"], "need a GPU")
 
 
