@@ -42,6 +42,19 @@ class ActivationRule:
             raise PinferError("SwiGLU activations have no notion of active without a threshold; pass --sparsity S")
         return F.silu(gate).abs() > float(self.thresholds[layer])
 
+    def margin(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor | None:
+        """float [T, n_ff], positive exactly where the neuron is active, and linear in the FFN's normed input for
+        ReLU-family FFNs: the pre-activation that decides (up for gate-less FFNs, gate for ReGLU, the smaller of
+        the two for dReLU). Predictor training regresses it (runtime/predictor_training.py). None for SwiGLU, whose
+        CATS rule |silu(gate)| > t is not linear in anything."""
+        if gate is None:
+            return up
+        if self.act == "relu":
+            return gate
+        if self.act == "drelu":
+            return torch.minimum(gate, up)
+        return None
+
 
 def activation_rule(cfg: ModelConfig, sparsity: float | None = None) -> ActivationRule:
     """The rule for this model; SwiGLU needs --sparsity (profile() calibrates the thresholds)."""

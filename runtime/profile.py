@@ -9,8 +9,8 @@
 Profiling runs the model layer by layer over all token windows, sees each FFN's input (the pre-norm residual, which
 predictors read: the stream after attention, or for Falcon's parallel block the layer input) and its gate/up
 pre-activations (up + bias alone for gate-less FFNs), counts the active neurons of every token (runtime/activity.py says
-what "active" means), and keeps a fixed random subset of tokens as training pairs (x, active mask), so memory is
-bounded whatever the corpus size.
+what "active" means), and keeps a fixed random subset of tokens as training pairs (x, active mask, and for ReLU-family
+FFNs the pre-activation that decides the mask), so memory is bounded whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -35,12 +35,24 @@ CACHE_BYTES = 1 << 30  # SwiGLU: a layer's gate/up and |silu(gate)| for all toke
 
 @dataclass
 class Samples:
-    """Training pairs of one layer: FFN inputs and active masks of the sampled tokens."""
+    """Training pairs of one layer: FFN inputs and active masks of the sampled tokens, and for ReLU-family FFNs
+    each neuron's deciding pre-activation (ActivationRule.margin), as int8 with one scale per token: a quarter of
+    float32's memory, and the regression that uses it loses nothing measurable (planted OPT layer: precision 0.753
+    vs 0.754 at recall 0.995)."""
 
     x: np.ndarray  # float32 [N, d]: pre-norm residual (the predictor input)
     mask_bits: np.ndarray  # uint8 [N, ceil(n_ff/8)]: np.packbits of the active mask
     n_ff: int
     split: np.ndarray  # int8 [N]: 0 train, 1 calibration, 2 test
+    margin_q: np.ndarray | None = None  # int8 [N, n_ff]: margin / margin_scale[:, None], rounded
+    margin_scale: np.ndarray | None = None  # float32 [N]
+
+    def margins(self, k: int) -> torch.Tensor | None:
+        """float32 [n, n_ff] margins of part k (None when not recorded)."""
+        if self.margin_q is None:
+            return None
+        rows = np.flatnonzero(self.split == k)
+        return torch.from_numpy(self.margin_q[rows].astype(np.float32) * self.margin_scale[rows, None])
 
     def mask(self, rows=slice(None)) -> np.ndarray:
         return np.unpackbits(self.mask_bits[rows], axis=1, count=self.n_ff).astype(bool)
@@ -125,6 +137,9 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
     rows = [torch.from_numpy(picked[bounds[w]:bounds[w + 1]] - starts[w]) for w in range(len(windows))]
     xs_out = np.zeros((L, k, d), dtype=np.float32)
     bits = np.zeros((L, k, -(-n_ff // 8)), dtype=np.uint8)
+    with_margin = rule.act != "silu"
+    margin_q = np.zeros((L, k, n_ff), dtype=np.int8) if with_margin else None
+    margin_scale = np.zeros((L, k), dtype=np.float32) if with_margin else None
 
     xs = [tr.embed(torch.tensor(w, dtype=torch.long), 0) for w in windows]  # residual stream (T, d)
     cache_ok = n_tokens * 3 * n_ff * 4 <= CACHE_BYTES  # gate/up and |silu(gate)|, float32
@@ -156,6 +171,11 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
             if r.numel():
                 xs_out[li, bounds[w]:bounds[w + 1]] = res[w][r].float().numpy()
                 bits[li, bounds[w]:bounds[w + 1]] = np.packbits(m[r].numpy(), axis=1)
+                if with_margin:
+                    mg = rule.margin(None if gate is None else gate[r], up[r]).float()
+                    sc = mg.abs().amax(1).clamp_min(1e-30) / 127
+                    margin_q[li, bounds[w]:bounds[w + 1]] = torch.round(mg / sc[:, None]).to(torch.int8).numpy()
+                    margin_scale[li, bounds[w]:bounds[w + 1]] = sc.numpy()
             h = activate(gate, up, ffn.act)
             peak[li] = torch.maximum(peak[li], h.float().abs().amax(0))
             y = ffn.down_proj(h)
@@ -163,7 +183,8 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
         del cached, mags, fin, res
         if progress:
             progress(li + 1, L)
-    samples = [Samples(xs_out[i], bits[i], n_ff, labels) for i in range(L)] if k else []
+    samples = [Samples(xs_out[i], bits[i], n_ff, labels, None if margin_q is None else margin_q[i],
+                       None if margin_scale is None else margin_scale[i]) for i in range(L)] if k else []
     date = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     return Profile(counts.numpy(), n_tokens, corpus, rule, date, time.perf_counter() - t0, samples,
                    sparsity if rule.act == "silu" else None, peak.numpy())

@@ -307,6 +307,55 @@ def test_trained_predictors_reach_recall(relu_model, tmp_path):
     assert hit / total >= 0.93, hit / total
 
 
+@pytest.mark.parametrize("variant", ["relu", "opt"])
+def test_samples_keep_the_margin_that_decides_the_mask(tmp_path, variant):
+    """The stored pre-activation (gate for ReGLU, up + bias for OPT) is > 0 where the neuron is active, < 0 where
+    not, and 0 only where int8 rounding (one scale per token) reaches it: not its negation, nor a constant."""
+    path = planted(tmp_path / f"{variant}.gguf", n_layer=1, variant=variant)
+    m = load_model(path, ctx_size=256, ffn_mode="dense")
+    prof = profile(m, windows_of(m, 1500, ctx=256), activity.activation_rule(m.cfg), sample_tokens=1500)
+    s = prof.samples[0]
+    for k in range(3):
+        mg, mask = s.margins(k), s.part(k)[1]
+        assert bool((mg[mask] >= 0).all()) and bool((mg[~mask] <= 0).all())
+        assert float((mg[mask] > 0).float().mean()) > 0.9 and float((mg[~mask] < 0).float().mean()) > 0.9
+    # a SwiGLU model's CATS rule has no linear margin: none is kept
+    write_tiny(tmp_path / "silu.gguf", vocab_size=300)
+    m = load_model(tmp_path / "silu.gguf", ctx_size=128, ffn_mode="dense")
+    prof = profile(m, windows_of(m, 300), activity.activation_rule(m.cfg, sparsity=0.5), sample_tokens=300,
+                   sparsity=0.5)
+    assert prof.samples[0].margins(0) is None
+
+
+def test_margin_regression_beats_mask_regression():
+    """Inputs in clusters with their own means (OPT's learned positions do this) and neurons with their own
+    thresholds: least squares on the 0/1 mask ranks tokens badly and puts neurons on different scales, the margin
+    (the pre-activation minus the threshold) does neither. Regression only (steps=0), the same ladder."""
+    from runtime.profile import Samples, split_labels
+
+    g = torch.Generator().manual_seed(0)
+    N, d, n_ff, r, P = 6000, 64, 256, 8, 64
+    basis = torch.linalg.qr(torch.randn(d, r, generator=g))[0]
+    W = (torch.randn(n_ff, r, generator=g) @ basis.T) * 0.99 + 0.05 * torch.randn(n_ff, d, generator=g) / d ** 0.5
+    centers = 0.8 * torch.randn(P, d, generator=g)
+    x = torch.randn(N, d, generator=g) + centers[torch.arange(N) % P]
+    x = torch.cat([x, torch.full((N, 1), 2.0)], 1)  # a constant input, as residual streams have
+    pre = x[:, :d] @ W.T
+    margin = pre - torch.quantile(pre, 0.95, dim=0)  # each neuron active on 5% of tokens
+    mask = margin > 0
+    sc = margin.abs().amax(1) / 127
+    mq = torch.round(margin / sc[:, None]).to(torch.int8).numpy()
+    bits, split = np.packbits(mask.numpy(), axis=1), split_labels(N, 0)
+    got = {}
+    for name, s in (("mask", Samples(x.numpy(), bits, n_ff, split)),
+                    ("margin", Samples(x.numpy(), bits, n_ff, split, mq, sc.numpy()))):
+        p = predictor_training.train_layer(s, ffn_bytes=50 * n_ff * d, recall=0.95, ladder=(8, 16, 32, 64),
+                                           max_fraction=1.0, steps=0)
+        assert p.recall >= 0.94, (name, p.recall)
+        got[name] = p.precision
+    assert got["margin"] > 0.9 and got["margin"] > got["mask"] + 0.2, got
+
+
 def test_ladder_picks_smaller_predictor_for_sparser_layer(tmp_path):
     hidden = {}
     for name, sparsity, skew in (("sparse", 0.97, 1.5), ("dense", 0.6, 0.2)):
