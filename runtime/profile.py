@@ -97,6 +97,25 @@ def split_labels(n_tokens: int, seed: int = 0) -> np.ndarray:
     return np.repeat(labels, SPLIT_BLOCK)[:n_tokens]
 
 
+def sample_bytes(n_layer: int, n_embd: int, n_ff: int, tokens: int, with_margin: bool) -> int:
+    """Memory the training pairs of `tokens` sampled tokens take over all layers (Samples): the input in float32,
+    the mask bits, and with margins one int8 per neuron plus a float32 scale."""
+    per_token = 4 * n_embd + -(-n_ff // 8) + (n_ff + 4 if with_margin else 0)
+    return n_layer * tokens * per_token
+
+
+def available_ram_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _check_ffn(model) -> None:
     for i, b in enumerate(model.transformer.blocks):
         if not all(hasattr(b.ffn, a) for a in ("pre_activations", "down_proj", "n_ff", "act")):

@@ -98,6 +98,24 @@ def _check_options(o: dict) -> None:
         raise PinferError("--store-down-t writes into the model; --export-activations only reads it: run them apart")
 
 
+def _check_sample_memory(cfg, sample: int, with_margin: bool, need: int) -> None:
+    """Refuse, before the model runs, to keep more training pairs than memory holds (a 13B model's 8192 default
+    tokens take ~11 GB: inputs in float32 plus int8 margins), naming the --sample-tokens that fits."""
+    from .profile import available_ram_bytes, sample_bytes
+
+    avail = available_ram_bytes()
+    want = sample_bytes(cfg.n_layer, cfg.n_embd, cfg.n_ff, sample, with_margin)
+    if avail is None or want <= 0.7 * avail:
+        return
+    fits = int(sample * 0.7 * avail / want)
+    least = sample_bytes(cfg.n_layer, cfg.n_embd, cfg.n_ff, need, with_margin)
+    size = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    hint = (f"pass --sample-tokens {fits} (training needs at least {need})" if fits >= need else
+            f"training needs at least {need} tokens ({size(least)}): free memory or use a larger machine")
+    raise PinferError(f"keeping {sample} sampled tokens per layer for predictor training takes {size(want)}, more "
+                      f"than 70% of the {size(avail)} available; {hint}")
+
+
 def run_profile(model: str, o: dict, quiet: bool) -> dict:
     """The whole command; returns the summary that is printed. Raises PinferError on bad input, before any write."""
     import torch
@@ -195,6 +213,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
             what = f"{n_tokens} tokens in the corpus" if sample == n_tokens else f"--sample-tokens {sample}"
             raise PinferError(f"training predictors for this model needs at least {need} profiled tokens, "
                               f"{what}; pass more text with --corpus or raise --tokens")
+        _check_sample_memory(cfg, sample, rule.act != "silu", need)
         with _Bar(quiet) as bar:
             prof = profile(m, windows, rule, desc, sample_tokens=sample, sparsity=o["sparsity"], seed=o["seed"],
                              progress=bar.callback(f"profiling {n_tokens} tokens"))

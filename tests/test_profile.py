@@ -429,6 +429,22 @@ def test_too_few_tokens_for_predictors(relu_model):
     assert digest(relu_model) == before
 
 
+def test_training_pairs_larger_than_memory_are_refused_before_running(relu_model, monkeypatch):
+    from runtime import profile as profile_mod
+
+    before = digest(relu_model)
+    # 2 layers x 3000 tokens x (64 floats + 32 mask bytes + 256 margins + a scale) = 3.1 MiB of pairs
+    monkeypatch.setattr(profile_mod, "available_ram_bytes", lambda: 4 << 20)
+    code, out = invoke(relu_model, "--train-predictors", "--tokens", 3000, "--sample-tokens", 3000)
+    assert_one_line_error(code, out, "takes 3.1 MiB", "of the 4.0 MiB available", "pass --sample-tokens")
+    fits = int(out.split("--sample-tokens ")[1].split()[0])
+    assert 1000 <= fits < 3000 and profile_mod.sample_bytes(2, 64, 256, fits, True) <= 0.7 * (4 << 20)
+    monkeypatch.setattr(profile_mod, "available_ram_bytes", lambda: 1 << 20)
+    assert_one_line_error(*invoke(relu_model, "--train-predictors", "--tokens", 3000), "at least 1000",
+                          "larger machine")
+    assert digest(relu_model) == before
+
+
 @pytest.mark.parametrize("case", ["layers", "neurons"])
 def test_import_wrong_activation_dir(relu_model, tmp_path, case):
     n_files, n_ff = (3, 256) if case == "layers" else (2, 100)
