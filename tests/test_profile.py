@@ -307,7 +307,7 @@ def test_trained_predictors_reach_recall(relu_model, tmp_path):
     assert hit / total >= 0.93, hit / total
 
 
-@pytest.mark.parametrize("variant", ["relu", "opt"])
+@pytest.mark.parametrize("variant", ["relu", "drelu", "opt"])
 def test_samples_keep_the_margin_that_decides_the_mask(tmp_path, variant):
     """The stored pre-activation (gate for ReGLU, up + bias for OPT) is > 0 where the neuron is active, < 0 where
     not, and 0 only where int8 rounding (one scale per token) reaches it: not its negation, nor a constant."""
