@@ -45,8 +45,9 @@ class ActivationRule:
     def margin(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor | None:
         """float [T, n_ff], positive exactly where the neuron is active, and linear in the FFN's normed input for
         ReLU-family FFNs: the pre-activation that decides (up for gate-less FFNs, gate for ReGLU; for dReLU the
-        smaller of gate and up, the least of two linear ones). Predictor training regresses it (runtime/predictor_training.py). None for SwiGLU, whose
-        CATS rule |silu(gate)| > t is not linear in anything."""
+        smaller of gate and up, the least of two linear ones). Predictor training regresses it
+        (runtime/predictor_training.py). None for SwiGLU, whose CATS rule |silu(gate)| > t is not linear in
+        anything."""
         if gate is None:
             return up
         if self.act == "relu":

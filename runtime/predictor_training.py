@@ -68,7 +68,13 @@ def _ridge_rrr(x: torch.Tensor, y: torch.Tensor, k_max: int, ridges: Sequence[fl
     for r in ridges:
         B = torch.linalg.solve(G + r * scale * torch.eye(d, dtype=torch.float64), XY)  # (d, n)
         M = R @ B  # fitted values x B = Q M
-        evals, U = torch.linalg.eigh(M @ M.T)  # ascending
+        try:
+            evals, U = torch.linalg.eigh(M @ M.T)  # ascending
+        except torch.linalg.LinAlgError:
+            # inputs of low rank (a first layer that sees only the corpus's few distinct token embeddings: planted
+            # Falcon, 8192 tokens) can defeat LAPACK's eigensolver; the SVD of M gives the same, at ~4x the cost
+            U, sv_all, _ = torch.linalg.svd(M, full_matrices=False)
+            evals, U = (sv_all ** 2).flip(0), U.flip(1)
         U, sv = U[:, -k:].flip(1), evals[-k:].flip(0).clamp_min(1e-30).sqrt()
         V = (M.T @ U) / sv  # (n, k): right singular vectors
         fits.append((r, (B @ V).float(), V.float().contiguous()))

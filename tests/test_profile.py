@@ -356,6 +356,25 @@ def test_margin_regression_beats_mask_regression():
     assert got["margin"] > 0.9 and got["margin"] > got["mask"] + 0.2, got
 
 
+def test_rrr_eigensolver_fallback_gives_the_same_fit(monkeypatch):
+    """When LAPACK's eigensolver gives up (seen on a planted Falcon's first layer, whose inputs are a few token
+    embeddings), the SVD fallback must produce the same rank-k scores."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 24, generator=g)
+    y = x @ torch.randn(24, 40, generator=g) + 0.1 * torch.randn(500, 40, generator=g)
+    want = predictor_training._ridge_rrr(x, y, 6)
+
+    def refuse(*a, **k):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", refuse)
+    got = predictor_training._ridge_rrr(x, y, 6)
+    for (r0, A0, V0), (r1, A1, V1) in zip(want, got, strict=True):
+        assert r0 == r1
+        for k in (1, 3, 6):
+            torch.testing.assert_close(x @ A1[:, :k] @ V1[:, :k].T, x @ A0[:, :k] @ V0[:, :k].T, rtol=1e-4, atol=1e-4)
+
+
 def test_ladder_picks_smaller_predictor_for_sparser_layer(tmp_path):
     hidden = {}
     for name, sparsity, skew in (("sparse", 0.97, 1.5), ("dense", 0.6, 0.2)):
