@@ -31,6 +31,11 @@ DEFAULT_RECALL = 0.95
 SCORE_SCALE = 8.0
 RIDGES = (1e-3, 1e-2, 1e-1)  # ridge strengths tried per layer, relative to the mean diagonal of x^T x
 RECALL_MARGIN = 0.4  # thresholds aim this fraction of the way from --recall to 1 on the calibration tokens
+# A margin fit's scores are logits with the boundary at 0. Its threshold is kept at least this far below 0, so that
+# every layer's is negative and one threshold can serve them all (fold_thresholds; PowerInfer reads one): a layer
+# predicted perfectly would otherwise land at or above 0 (seen: planted Falcon's first layer). Lowering a threshold
+# only adds neurons: here those with P(active) in [0.475, 0.5).
+MARGIN_THRESHOLD_CAP = -0.1
 
 
 def threshold_for_recall(scores: torch.Tensor, mask: torch.Tensor, recall: float) -> float:
@@ -187,6 +192,8 @@ def train_layer(s: Samples, ffn_bytes: float, recall: float = DEFAULT_RECALL, la
         fc1, fc2 = _finetune(fc1, fc2, x_tr, m_tr.float(), steps, seed, offset, judge)
     p = Predictor(fc1.half(), fc2.half(), 0.0, ladder=rows)
     p.threshold = threshold_for_recall(p.scores(x_ca), m_ca, aim)
+    if from_margin:
+        p.threshold = min(p.threshold, MARGIN_THRESHOLD_CAP)
     set_test_stats(p, x_te, m_te)
     return p
 

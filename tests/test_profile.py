@@ -356,6 +356,17 @@ def test_margin_regression_beats_mask_regression():
     assert got["margin"] > 0.9 and got["margin"] > got["mask"] + 0.2, got
 
 
+def test_margin_fits_keep_thresholds_negative(relu_model, monkeypatch):
+    """A layer predicted perfectly puts its recall threshold at or above the margin fit's boundary 0, while the
+    others land below it: one threshold could then not serve every layer (PowerInfer reads one). Seen on planted
+    Falcon's first layer; simulated here by a calibration that answers +0.5."""
+    m = load_model(relu_model, ctx_size=256, ffn_mode="dense")
+    prof = profile(m, windows_of(m, 1500, ctx=256), activity.activation_rule(m.cfg), sample_tokens=1500)
+    monkeypatch.setattr(predictor_training, "threshold_for_recall", lambda *a: 0.5)
+    p = predictor_training.train_layer(prof.samples[0], 1e6, ladder=(8, 16), max_fraction=1.0, steps=0)
+    assert p.threshold == predictor_training.MARGIN_THRESHOLD_CAP < 0
+
+
 def test_rrr_eigensolver_fallback_gives_the_same_fit(monkeypatch):
     """When LAPACK's eigensolver gives up (seen on a planted Falcon's first layer, whose inputs are a few token
     embeddings), the SVD fallback must produce the same rank-k scores."""
