@@ -18,6 +18,8 @@
    hit every mode of a position. Reported: each mode's median step as tok/s and the median over positions of
    dense step / mode step (the paired speed-up), with per-round ratios.
 5. Quality: top-1 agreement with dense over --agree-tokens held-out positions, teacher-forced.
+6. With --breakdown: where a decode step's time goes in each mode (attention, FFN including the predictor, output
+   head; medians over the decoded positions), which bounds the speed-up any predictor can reach.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_sparse import PROMPT_TOKENS, add_run_args, agreement, lockstep  # noqa: E402
+from benchmarks.e2e_sparse import PROMPT_TOKENS, add_run_args, agreement, dense_twin, lockstep  # noqa: E402
 
 RESULTS = ROOT / "benchmarks/results"
 SHAPES = {"falcon": "12,2048,8192,32,2", "opt": "12,2048,8192,32,32"}  # n_layer,n_embd,n_ff,n_head,n_head_kv
@@ -70,32 +72,6 @@ def ensure_models(arch: str, args) -> tuple[Path, Path]:
     return path, twin
 
 
-def dense_twin(src: Path, dst: Path) -> None:
-    """The model as llama.cpp's converter lays it out: ffn_down [d, n_ff] instead of ffn_down_t (its bias renamed
-    back), no predictors or statistics, the GGUF magic."""
-    import numpy as np
-
-    from formats import constants as C
-    from formats.reader import open_gguf
-    from formats.writer import write_gguf
-
-    f = open_gguf(src)
-    tensors = {}
-    for name in f.tensors:
-        if any(k in name for k in (".fc1.", ".fc2.", ".act_counts", ".act_peak")):
-            continue
-        a = f.raw(name)
-        if ".ffn_down_t.weight" in name:
-            name, a = name.replace("ffn_down_t", "ffn_down"), np.ascontiguousarray(np.asarray(a).T)
-        elif ".ffn_down_t.bias" in name:
-            name = name.replace("ffn_down_t", "ffn_down")
-        tensors[name] = a
-    meta = {k: v for k, v in f.metadata.items() if not k.startswith(("pinfer.predictor", "powerinfer.",
-                                                                      "pinfer.activation"))}
-    meta[C.NAME] = f"{meta.get(C.NAME, 'model')} (dense twin)"
-    write_gguf(dst, meta, tensors, value_types={k: v for k, v in f.value_types.items() if k in meta})
-
-
 def measure(arch: str, args) -> dict:
     from runtime import cpu_kernels, load_model
     from runtime.corpus import HELDOUT
@@ -115,7 +91,39 @@ def measure(arch: str, args) -> dict:
     for mode in models:
         if mode != "dense":
             out[mode] = res[mode] | {"agreement": agreement(dense, models[mode], ids[:args.agree_tokens])}
+    if args.breakdown:
+        span = ids[:PROMPT_TOKENS + 1 + args.tokens]
+        out["breakdown"] = {mode: breakdown(models[mode], span) for mode in models}
     return out
+
+
+def breakdown(model, ids: list[int]) -> dict:
+    """Median milliseconds per decode step spent in attention, the FFN (predictor included) and the output head:
+    Transformer.forward's steps with a timer around each, over ids after a PROMPT_TOKENS prompt."""
+    import statistics
+
+    import torch
+
+    tr = model.transformer
+    parts: dict[str, list[float]] = {"attention_ms": [], "ffn_ms": [], "head_ms": []}
+    with torch.inference_mode():
+        tr.forward(torch.tensor(ids[:PROMPT_TOKENS]), 0)
+        for p in range(PROMPT_TOKENS, len(ids)):
+            t = {k: 0.0 for k in parts}
+            x = tr.embed(torch.tensor([ids[p]]), p)
+            for li, b in enumerate(tr.blocks):
+                t0 = time.perf_counter()
+                xf, resid, x = tr.attend(li, b, x, p)
+                t1 = time.perf_counter()
+                x = x + tr.ffn(b, xf, resid)
+                t["attention_ms"] += t1 - t0
+                t["ffn_ms"] += time.perf_counter() - t1
+            t0 = time.perf_counter()
+            tr.output(tr.norm(x, tr.output_norm))
+            t["head_ms"] += time.perf_counter() - t0
+            for k in parts:
+                parts[k].append(1e3 * t[k])
+    return {k: round(statistics.median(v), 2) for k, v in parts.items()}
 
 
 def cpu_name() -> str:
@@ -134,6 +142,7 @@ def main() -> None:
     ap.add_argument("--shape", help="n_layer,n_embd,n_ff,n_head,n_head_kv (default per arch: "
                     + "; ".join(f"{a} {s}" for a, s in SHAPES.items()) + ")")
     add_run_args(ap)
+    ap.add_argument("--breakdown", action="store_true", help="also time attention / FFN / head per decode step")
     args = ap.parse_args()
 
     results = [measure(arch, args) for arch in args.arch or list(SHAPES)]
@@ -151,6 +160,8 @@ def main() -> None:
                       f"{', '.join(f'{x:.2f}' for x in m['speedup_per_round'])}); computes {m['active_fraction']:.1%}"
                       f" of FFN neurons; top-1 agreement with dense {agree['top1_agreement']:.3f} over "
                       f"{agree['positions']} held-out positions")
+        for mode, b in r.get("breakdown", {}).items():
+            print(f"  {mode} step: attention {b['attention_ms']} ms, FFN {b['ffn_ms']} ms, head {b['head_ms']} ms")
 
 
 if __name__ == "__main__":

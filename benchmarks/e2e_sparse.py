@@ -8,18 +8,22 @@
    heads, Llama-2's 32000-token vocabulary size: ~1.1B parameters), 90% planted sparsity, stored F32 (see --dtype).
    The vocabulary is synth's byte-level one padded to 32000 entries: the output head has ReluLLaMA's shape, and the
    built-in corpus gives ~17k calibration tokens (a 49k BPE vocabulary like SmolLM2's gives ~4k, too few to train
-   recall-0.99 predictors: measured precision 0.2 instead of 0.85-0.94).
+   recall-0.99 predictors: measured precision 0.2 instead of 0.85-0.94, with the trainer's earlier mask regression).
 2. Its predictors: `pi-profile MODEL --train-predictors --recall 0.99` over the built-in corpus, written into the
    file. Recall 0.99 rather than pi-profile's default 0.95: the top-1 target (>= 97% agreement with dense) needs it
-   (0.95 gives ~0.945), and for ReLU models the extra false positives are cheap: the sparse kernel reads a false
-   positive's gate row only (its activation is 0, so its up and down rows are skipped).
-3. Decode speed: one token at a time through the KV cache, as generation does, but fed the held-out text instead of
+   (0.95 gave ~0.945 with the earlier trainer), and for ReLU models the extra false positives are cheap: the sparse
+   kernel reads a false positive's gate row only (its activation is 0, so its up and down rows are skipped).
+3. The dense baseline: the same weights in llama.cpp's layout (ffn_down [d, n_ff], no predictors), a twin file made
+   once (dense_twin): every weight is read on every token, the work llama.cpp does. pinfer's dense mode over the
+   PowerInfer file itself runs the exact ReLU kernel (every gate row, then the up and down rows of the active
+   neurons only): lossless, but no longer the dense baseline (it measured 1.00x of --oracle-masks).
+4. Decode speed: one token at a time through the KV cache, as generation does, but fed the held-out text instead of
    the model's own samples: a random planted model samples garbage, while real use decodes text, and the predictors'
    work depends on the input. Both modes are loaded in one process and decode in lockstep, one dense and one sparse
    step per position, so that bursts of other work on this shared machine hit both modes of a pair (earlier, whole
    runs alternated in subprocesses, and 7-round medians of the same setup ranged 2.41-2.71x). Reported: each mode's
    median step time as tok/s, and the median over pairs of dense / sparse step time.
-4. Quality: logits over the held-out text, teacher-forced, in each mode; top-1 agreement with dense over positions.
+5. Quality: logits over the held-out text, teacher-forced, in each mode; top-1 agreement with dense over positions.
 Also measured: --oracle-masks (exact masks; for ReLU the C++ kernel reads every gate row and the up and down rows of
 the active neurons only), which must agree with dense everywhere.
 """
@@ -97,7 +101,33 @@ def ensure_model(path: Path, args) -> None:
         print("training predictors (pi-profile --train-predictors) ...", file=sys.stderr)
         cmd = [sys.executable, "-m", "runtime.profile_cli", str(path), "--train-predictors", "--recall",
                str(args.recall), "-t", str(args.threads)]
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout stays this script's (--json)
+
+
+def dense_twin(src: Path, dst: Path) -> None:
+    """The model as llama.cpp's converter lays it out: ffn_down [d, n_ff] instead of ffn_down_t (its bias renamed
+    back), no predictors or statistics, the GGUF magic."""
+    import numpy as np
+
+    from formats import constants as C
+    from formats.reader import open_gguf
+    from formats.writer import write_gguf
+
+    f = open_gguf(src)
+    tensors = {}
+    for name in f.tensors:
+        if any(k in name for k in (".fc1.", ".fc2.", ".act_counts", ".act_peak")):
+            continue
+        a = f.raw(name)
+        if ".ffn_down_t.weight" in name:
+            name, a = name.replace("ffn_down_t", "ffn_down"), np.ascontiguousarray(np.asarray(a).T)
+        elif ".ffn_down_t.bias" in name:
+            name = name.replace("ffn_down_t", "ffn_down")
+        tensors[name] = a
+    meta = {k: v for k, v in f.metadata.items() if not k.startswith(("pinfer.predictor", "powerinfer.",
+                                                                      "pinfer.activation"))}
+    meta[C.NAME] = f"{meta.get(C.NAME, 'model')} (dense twin)"
+    write_gguf(dst, meta, tensors, value_types={k: v for k, v in f.value_types.items() if k in meta})
 
 
 def lockstep(models: dict, ids: list[int], rounds: int) -> dict:
@@ -172,9 +202,15 @@ def main() -> None:
     from runtime.corpus import HELDOUT
 
     ctx = max(256, args.agree_tokens + 8, PROMPT_TOKENS + args.tokens + 8)
-    dense = load_model(args.model, threads=args.threads, ffn_mode="dense", ctx_size=ctx)
+    twin = args.model.with_name(args.model.stem + "-dense.gguf")
+    if not twin.exists():
+        print(f"writing the dense twin {twin} ...", file=sys.stderr)
+        dense_twin(args.model, twin)
+    dense = load_model(twin, threads=args.threads, ffn_mode="dense", ctx_size=ctx)
+    assert not dense.cfg.down_transposed and not dense.cfg.has_predictors
     ids = dense.tokenizer.encode(HELDOUT.read_text(encoding="utf-8"))
-    summary = {"model": str(args.model), "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens}
+    summary = {"model": str(args.model), "dense_twin": str(twin), "threads": args.threads, "rounds": args.rounds,
+               "tokens": args.tokens}
     for mode in ["sparse"] + ([] if args.no_oracle else ["oracle"]):  # each mode in lockstep with dense, in turn
         other = load_model(args.model, threads=args.threads, ffn_mode=mode, ctx_size=ctx)
         res = lockstep({"dense": dense, mode: other}, ids[:PROMPT_TOKENS + 1 + args.tokens], args.rounds)
