@@ -100,7 +100,7 @@ def _check_options(o: dict) -> None:
 
 def _check_sample_memory(cfg, sample: int, with_margin: bool, need: int) -> None:
     """Refuse, before the model runs, to keep more training pairs than memory holds (a 13B model's 8192 default
-    tokens take ~11 GB: inputs in float32 plus int8 margins), naming the --sample-tokens that fits."""
+    tokens take ~12 GB: inputs in float32 plus int8 margins), naming the --sample-tokens that fits."""
     from .profile import available_ram_bytes, sample_bytes
 
     avail = available_ram_bytes()
