@@ -156,7 +156,8 @@ def train_layer(s: Samples, ffn_bytes: float, recall: float = DEFAULT_RECALL, la
     k_max = min(max(sizes) // 2, d, x_tr.shape[0])
     aim = recall + (1.0 - recall) * RECALL_MARGIN
     margin = s.margins(0)
-    from_margin = margin is not None and float(margin.std()) > 0  # a dead layer has no margin to regress
+    spread = float(margin.std()) if margin is not None else 0.0
+    from_margin = spread > 0  # a dead layer has no margin to regress
     target = margin if from_margin else m_tr.float()
     del margin
 
@@ -179,7 +180,7 @@ def train_layer(s: Samples, ffn_bytes: float, recall: float = DEFAULT_RECALL, la
     # A mask regression scores ~P(active) in [0, 1]: training sees logits = SCORE_SCALE * score - SCORE_SCALE / 2
     # (0.5 -> 0), and the stored score keeps the + SCORE_SCALE / 2, which the calibrated threshold absorbs. A margin
     # regression scores the pre-activation (0 at the boundary): logits = SCORE_SCALE * score / its spread.
-    scale = SCORE_SCALE / float(target.std()) if from_margin else SCORE_SCALE
+    scale = SCORE_SCALE / spread if from_margin else SCORE_SCALE
     offset = 0.0 if from_margin else SCORE_SCALE / 2
     del target
     fc1 = torch.cat([A[:, :k].T, -A[:, :k].T]).contiguous()  # (2k, d)

@@ -47,6 +47,12 @@ class Samples:
     margin_q: np.ndarray | None = None  # int8 [N, n_ff]: margin / margin_scale[:, None], rounded
     margin_scale: np.ndarray | None = None  # float32 [N]
 
+    @staticmethod
+    def int8_rows(margin: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """float [N, n_ff] -> (margin_q, margin_scale): each row rounded to int8 with its own scale max|row| / 127."""
+        scale = margin.abs().amax(1).clamp_min(1e-30) / 127
+        return torch.round(margin / scale[:, None]).to(torch.int8).numpy(), scale.numpy()
+
     def margins(self, k: int) -> torch.Tensor | None:
         """float32 [n, n_ff] margins of part k (None when not recorded)."""
         if self.margin_q is None:
@@ -191,10 +197,8 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
                 xs_out[li, bounds[w]:bounds[w + 1]] = res[w][r].float().numpy()
                 bits[li, bounds[w]:bounds[w + 1]] = np.packbits(m[r].numpy(), axis=1)
                 if with_margin:
-                    mg = rule.margin(None if gate is None else gate[r], up[r]).float()
-                    sc = mg.abs().amax(1).clamp_min(1e-30) / 127
-                    margin_q[li, bounds[w]:bounds[w + 1]] = torch.round(mg / sc[:, None]).to(torch.int8).numpy()
-                    margin_scale[li, bounds[w]:bounds[w + 1]] = sc.numpy()
+                    q, sc = Samples.int8_rows(rule.margin(None if gate is None else gate[r], up[r]).float())
+                    margin_q[li, bounds[w]:bounds[w + 1]], margin_scale[li, bounds[w]:bounds[w + 1]] = q, sc
             h = activate(gate, up, ffn.act)
             peak[li] = torch.maximum(peak[li], h.float().abs().amax(0))
             y = ffn.down_proj(h)

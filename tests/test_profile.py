@@ -343,12 +343,11 @@ def test_margin_regression_beats_mask_regression():
     pre = x[:, :d] @ W.T
     margin = pre - torch.quantile(pre, 0.95, dim=0)  # each neuron active on 5% of tokens
     mask = margin > 0
-    sc = margin.abs().amax(1) / 127
-    mq = torch.round(margin / sc[:, None]).to(torch.int8).numpy()
+    mq, sc = Samples.int8_rows(margin)
     bits, split = np.packbits(mask.numpy(), axis=1), split_labels(N, 0)
     got = {}
     for name, s in (("mask", Samples(x.numpy(), bits, n_ff, split)),
-                    ("margin", Samples(x.numpy(), bits, n_ff, split, mq, sc.numpy()))):
+                    ("margin", Samples(x.numpy(), bits, n_ff, split, mq, sc))):
         p = predictor_training.train_layer(s, ffn_bytes=50 * n_ff * d, recall=0.95, ladder=(8, 16, 32, 64),
                                            max_fraction=1.0, steps=0)
         assert p.recall >= 0.94, (name, p.recall)
