@@ -137,7 +137,7 @@ def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
         peaks = [vector(f, C.tensor(C.ACT_PEAK, i)) if f.has(C.tensor(C.ACT_PEAK, i)) else None
                  for i in range(cfg.n_layer)]
         return [PredictorMasker(p, outlier_neurons(pk))
-                for p, pk in zip(load_predictors(f, cfg.n_layer), peaks, strict=True)]
+                for p, pk in zip(load_predictors(f, cfg.n_layer, fc2_t=True), peaks, strict=True)]
     if cfg.is_relu:
         return [ReluOracleMasker() for _ in range(cfg.n_layer)]
     if not cfg.gated:

@@ -105,7 +105,7 @@ def _w(f: GGUFFile, name: str) -> torch.Tensor:
     if a.dtype not in (np.float32, np.float16):
         raise PinferError(f"{f.path}: tensor '{name}' is {f.info(name).type_name}; the reference forward reads "
                           f"F32/F16 only")
-    return torch.from_numpy(np.asarray(a, dtype=np.float32))
+    return torch.from_numpy(np.array(a, dtype=np.float32))  # a copy: F32 tensors would be read-only map views
 
 
 def _opt(f: GGUFFile, name: str) -> torch.Tensor | None:

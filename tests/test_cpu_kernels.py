@@ -168,17 +168,19 @@ def test_kernel_rejects_out_of_range_indices():
         S.ffn_sparse(w, torch.randn(1, 4), torch.tensor([-1]))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("r,d,n_ff", [(128, 256, 700), (12, 37, 77), (3, 16, 5)])
-def test_fused_predictor_equals_torch(r, d, n_ff, dtype):
-    """Predictor.fused_indices (the C++ kernel over fc1/fc2 as stored) against the torch predictor: the same
-    neurons, except ones whose score lies within rounding of the threshold."""
+def test_fused_predictor_equals_torch(r, d, n_ff, dtype, transposed):
+    """Predictor.fused_indices (the C++ kernel over fc1 and fc2 as stored, or over fc2_t: the live hidden units'
+    rows) against the torch predictor: the same neurons, except ones whose score lies within rounding of the
+    threshold."""
     from runtime.predictor import Predictor
 
     assert cpu_kernels.available(), cpu_kernels.status()
     gen = torch.Generator().manual_seed(r)
     fc1, fc2 = torch.randn(r, d, generator=gen).to(dtype), torch.randn(n_ff, r, generator=gen).to(dtype)
-    pred = Predictor(fc1, fc2, threshold=0.5)
+    pred = Predictor(fc1, fc2, threshold=0.5, fc2_t=fc2.t().contiguous() if transposed else None)
     always = torch.tensor([0, n_ff - 1])
     for _ in range(5):
         x = torch.randn(1, d, generator=gen)

@@ -272,11 +272,12 @@ def test_predictor_dir_import(twelve_layers, tmp_path):
     f = open_gguf(src)
     assert abs(f.get(C.SPARSE_THRESHOLD) - 0.25) < 1e-7
     assert f.info(C.tensor(C.PRED_FC1, 10)).type_name == "F16"
-    preds = load_predictors(f, cfg.n_layer)
+    preds = load_predictors(f, cfg.n_layer, fc2_t=True)
     for p, (fc1, fc2), r in zip(preds, weights, ranks, strict=True):
         assert p.hidden == r and p.threshold == pytest.approx(0.25)
         torch.testing.assert_close(p.fc1, fc1.half())  # stored F16 and read as stored
         torch.testing.assert_close(p.fc2, fc2.half())
+        assert torch.equal(p.fc2_t, p.fc2.t())  # the decoding copy, read past the memory map
 
 
 # --- predictors -------------------------------------------------------------------------------------------------------
