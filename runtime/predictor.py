@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +38,10 @@ class Predictor:
     density: float = math.nan  # fraction of neurons predicted active per token
     true_density: float = math.nan  # fraction actually active on the same tokens
     ladder: list[dict] = field(default_factory=list)  # training: per candidate size, hidden, density, cost
-    # fc2 transposed, [r, n_ff], when the runtime keeps it (load_predictors(..., fc2_t=True)); must equal fc2.T
+    # fc2 transposed, [r, n_ff], for decoding; must equal fc2.T. Given, or made on first use by fc2_t_source
+    # (load_predictors(..., fc2_t=True)): a predictor that runs on a GPU, or never decodes, never makes it.
     fc2_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    fc2_t_source: Callable[[], torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _f32: tuple | None = field(default=None, repr=False, compare=False)  # (fc1, fc2, float copies), see _float
 
     @property
@@ -76,6 +80,8 @@ class Predictor:
         kernels, another dtype): then use mask(). With fc2_t the second layer adds the rows of the hidden units
         that ReLU keeps (about half): it reads about half of fc2's bytes, in long rows (measured on planted OPT,
         12 layers of 8192 x 128: 2.3 -> 1.5 ms per token)."""
+        if self.fc2_t is None and self.fc2_t_source is not None:
+            self.fc2_t = self.fc2_t_source()
         w2 = self.fc2_t if self.fc2_t is not None else self.fc2
         if not qops.available() or {self.fc1.dtype, w2.dtype} - _KERNEL_DTYPES.keys():
             return None
@@ -110,9 +116,9 @@ def layer_thresholds(f: GGUFFile, n_layer: int) -> list[float]:
 
 def load_predictors(f: GGUFFile, n_layer: int, fc2_t: bool = False) -> list[Predictor]:
     """Every layer's predictor from a file, as stored (F16 or F32 views of the memory map; other types are
-    dequantised); raises if any layer lacks one. fc2_t: also keep each fc2 transposed, for decoding (fused_indices).
-    That copy is read from the file without the map, so the map's pages of fc2 stay untouched while only single
-    tokens are decoded: it replaces them rather than adding to them."""
+    dequantised); raises if any layer lacks one. fc2_t: decoding on the CPU (fused_indices) makes each fc2's
+    transposed copy on first use, read from the file without the map: the map's pages of fc2 stay untouched while
+    only single tokens are decoded, so the copy replaces them rather than adding to them."""
     thr = layer_thresholds(f, n_layer)
     preds = []
     for i in range(n_layer):
@@ -124,7 +130,7 @@ def load_predictors(f: GGUFFile, n_layer: int, fc2_t: bool = False) -> list[Pred
         if fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[0] != fc2.shape[1]:
             raise PinferError(f"{f.path}: predictor of layer {i} has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}, "
                               f"which do not chain")
-        preds.append(Predictor(fc1, fc2, thr[i], fc2_t=_transposed(f, n2) if fc2_t else None))
+        preds.append(Predictor(fc1, fc2, thr[i], fc2_t_source=partial(_transposed, f, n2) if fc2_t else None))
     return preds
 
 

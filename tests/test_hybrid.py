@@ -88,6 +88,9 @@ def test_hybrid_equals_cpu(relu_pwri, mode, seed):
     for decode_from in (None, 4):  # prefill of 12 tokens (device chunks of DEVICE_T), and single-token decode
         want, got = logits(cpu, ids, decode_from), logits(hyb, ids, decode_from)
         assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), (mode, seed, decode_from)
+    if pred is not None:  # the CPU's decoding copy of fc2 is made where the CPU decodes with it, and only there
+        assert all(b.ffn.masker.pred.fc2_t is not None for b in cpu.transformer.blocks)
+        assert all((b.ffn.masker.pred.fc2_t is None) == pred for b in hyb.transformer.blocks)
 
 
 def test_exact_modes_equal_dense(relu_pwri):

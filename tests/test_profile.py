@@ -277,7 +277,7 @@ def test_predictor_dir_import(twelve_layers, tmp_path):
         assert p.hidden == r and p.threshold == pytest.approx(0.25)
         torch.testing.assert_close(p.fc1, fc1.half())  # stored F16 and read as stored
         torch.testing.assert_close(p.fc2, fc2.half())
-        assert torch.equal(p.fc2_t, p.fc2.t())  # the decoding copy, read past the memory map
+        assert p.fc2_t is None and torch.equal(p.fc2_t_source(), p.fc2.t())  # the decoding copy, made on first use
 
 
 # --- predictors -------------------------------------------------------------------------------------------------------
