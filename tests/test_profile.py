@@ -282,6 +282,49 @@ def test_predictor_dir_import(twelve_layers, tmp_path):
 
 # --- predictors -------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantised_predictors_are_read_in_place(tmp_path, qtype):
+    """A PowerInfer file whose predictors PowerInfer's `quantize` made Q4_0 (or Q4_1, Q8_0): they stay in that
+    encoding (no float copy, none transposed), and their scores and decode indices equal the float predictor's with
+    the same (dequantised) weights, up to the kernels' 8-bit activation blocks."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType as T
+
+    from formats.writer import RawTensor
+    from runtime.weights import QWeight
+    from tests.tiny import to_powerinfer_layout
+
+    cfg = tiny_config(ffn_act="relu", n_ff=192)
+    w = to_powerinfer_layout(cfg, random_weights(cfg, seed=5, scale=0.15), rank=32)
+    qt = T[qtype]
+    for i in range(cfg.n_layer):
+        for name in (C.tensor(C.PRED_FC1, i), C.tensor(C.PRED_FC2, i)):
+            a = w[name].astype(np.float32)
+            w[name] = RawTensor(quants.quantize(a, qt), int(qt), a.shape)
+    path = tmp_path / "q.gguf"
+    from formats.model_writer import write_llama
+    write_llama(path, cfg, w, powerinfer=True)
+    preds = load_predictors(open_gguf(path), cfg.n_layer, fc2_t=True)
+    g = torch.Generator().manual_seed(0)
+    for p in preds:
+        assert isinstance(p.fc1, QWeight) and isinstance(p.fc2, QWeight) and p.fc2_t_source is None
+        ref = Predictor(p.fc1.dequantize(), p.fc2.dequantize(), threshold=0.0)
+        x = torch.randn(6, cfg.n_embd, generator=g)
+        got, want = p.scores(x), ref.scores(x)
+        tol = 2e-2 * want.abs().max()
+        assert (got - want).abs().max() <= tol, qtype
+        for t in range(6):
+            idx = p.fused_indices(x[t:t + 1])
+            mask = torch.zeros(cfg.n_ff, dtype=torch.bool)
+            mask[idx] = True
+            far = (want[t] - p.threshold).abs() > tol
+            assert torch.equal(mask[far], (want[t] >= p.threshold)[far])
+        assert p._f32 is None and p.fc2_t is None  # nothing was converted
+    m = load_model(path, ffn_mode="sparse")  # and the model decodes with them
+    assert len(list(m.generate([5, 6, 7], max_tokens=4, temperature=0.0))) == 4
+
+
+
 def test_trained_predictors_reach_recall(relu_model, tmp_path):
     out = tmp_path / "pred.gguf"
     code, text = invoke(relu_model, "--train-predictors", "--tokens", 3000, "--ctx", 256, "--max-fraction", 0.25,
