@@ -88,6 +88,19 @@ def test_layout_is_a_permutation_within_rows():
             np.testing.assert_array_equal(nibbles(raw[r]), nibbles(dv[r])[2 * pad:])
 
 
+@pytest.mark.parametrize("cols", [32, 96, 1024, 1056, 3104, 5120])
+def test_layout_kernel_equals_its_definition(cols):
+    """The C++ layout op (runtime/csrc/device_layout.cpp, what uploads use) equals layout.py's numpy definition byte
+    for byte: every type, rows of whole tiles, tiles plus tail blocks, and tails alone; padding included."""
+    from runtime import cpu_kernels
+
+    assert L._layout_op() is not None, cpu_kernels.status()
+    rng = np.random.default_rng(cols)
+    for ty in L.TYPES:
+        raw = L.random_rows(rng, ty, 9, cols)
+        np.testing.assert_array_equal(L.to_device(raw, ty, cols), L.to_device_numpy(raw, ty, cols), err_msg=L.NAMES[ty])
+
+
 def test_dequantize_known_blocks():
     """The file formats, by hand: Q4_0 nibble order and offset, Q4_1's min, Q8_0's signed bytes, BF16's bits."""
     d = np.array([0.5], np.float16).view(np.uint8)

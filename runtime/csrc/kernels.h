@@ -46,6 +46,11 @@ void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out);
 // one row as floats, on the calling thread
 void row_to_f32(int type, const uint8_t* row, int64_t n, float* out);
 
+// --- device_layout.cpp -----------------------------------------------------------------------------------------------
+// The GPU's row layout of n file rows (runtime/gpu/layout.py to_device): out [n, stride], tables from layout.py
+void device_layout(const uint8_t* in, int64_t n, int64_t row_bytes, int ty, int64_t cols, const int32_t* q0,
+                   const int32_t* q1, const int32_t* so, uint8_t* out, int64_t stride);
+
 // --- matmul.cpp ------------------------------------------------------------------------------------------------------
 // y [T, sum of rows] = x [T, K] . W_i^T for each matrix, outputs side by side. T < gemm_min_t: streaming GEMV tiles on
 // the stored bytes (q8 activations for block types); otherwise tiles of rows dequantised to fp32 and torch's GEMM.

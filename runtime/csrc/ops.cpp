@@ -44,6 +44,9 @@
 //               int n_head_kv, float scale, bool neox=False) -> Tensor
 //     One token's RoPE + cache write + attention (attention.cpp); caches [n_head_kv, ctx, head_dim], float32 or
 //     float16 (both the same). neox: rotary pairs (i, i + D/2) instead of (2i, 2i+1).
+// device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor
+//     uint8 [n, stride]: file rows uint8 [n, row_bytes] in the GPU kernels' layout (device_layout.cpp), with the
+//     int32 tile tables of runtime/gpu/layout.py (q0: 1024 entries, 512 for Q4; q1: Q4 only; so: block types).
 // isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
 // gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
 #include <ATen/core/Tensor.h>
@@ -286,6 +289,37 @@ at::Tensor attend_decode_op(const at::Tensor& qkv, const at::Tensor& rope, at::T
   return out;
 }
 
+at::Tensor int32_table(const std::optional<at::Tensor>& t, int64_t n, int64_t bound, const char* name) {
+  TORCH_CHECK(t.has_value(), name, ": required for this type");
+  TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->numel() == n, name, ": ", n,
+              " contiguous int32 values");
+  const int32_t* p = t->data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < bound, name, "[", i, "] out of range");
+  return *t;
+}
+
+at::Tensor device_layout_op(const at::Tensor& rows, int64_t type, int64_t cols, const std::optional<at::Tensor>& q0,
+                            const std::optional<at::Tensor>& q1, const std::optional<at::Tensor>& so, int64_t stride) {
+  TORCH_CHECK(type == F32 || type == F16 || type == BF16 || type == Q4_0 || type == Q4_1 || type == Q8_0,
+              "device_layout: unsupported type ", type);
+  TORCH_CHECK(cols > 0 && cols % 32 == 0, "device_layout: cols must be a positive multiple of 32");
+  const int64_t rb = row_bytes((int)type, cols);
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.size(1) == rb &&
+                  rows.is_contiguous(),
+              "rows: contiguous uint8 [n, ", rb, "]");
+  TORCH_CHECK(stride >= rb, "stride ", stride, " is shorter than a row (", rb, " bytes)");
+  const bool q4 = type == Q4_0 || type == Q4_1, halves = type == F16 || type == BF16;
+  at::Tensor t0, t1, ts;
+  if (type != F32) t0 = int32_table(q0, q4 ? 512 : 1024, 1024, "q0");
+  if (q4) t1 = int32_table(q1, 512, 1024, "q1");
+  if (type != F32 && !halves) ts = int32_table(so, 32, 32, "so");
+  at::Tensor out = at::empty({rows.size(0), stride}, at::TensorOptions().dtype(at::kByte));
+  device_layout(rows.data_ptr<uint8_t>(), rows.size(0), rb, (int)type, cols,
+                t0.defined() ? t0.data_ptr<int32_t>() : nullptr, t1.defined() ? t1.data_ptr<int32_t>() : nullptr,
+                ts.defined() ? ts.data_ptr<int32_t>() : nullptr, out.data_ptr<uint8_t>(), stride);
+  return out;
+}
+
 std::string isa_op() { return isa_name(); }
 int64_t gemm_min_t_op() { return GEMM_MIN_T; }
 
@@ -311,6 +345,8 @@ TORCH_LIBRARY(PINFER_NS, m) {
   m.def("attend_decode(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, "
         "int n_head_kv, float scale, bool neox=False) -> Tensor",
         &attend_decode_op);
+  m.def("device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor",
+        &device_layout_op);
   m.def("isa() -> str", &isa_op);
   m.def("gemm_min_t() -> int", &gemm_min_t_op);
 }

@@ -119,7 +119,49 @@ def _tile_order(ty: int) -> tuple[np.ndarray, ...]:
 
 
 def to_device(raw: np.ndarray, ty: int, cols: int) -> np.ndarray:
-    """uint8 [rows, device_stride] in quant.cuh's layout, from the file's rows."""
+    """uint8 [rows, device_stride] in quant.cuh's layout, from the file's rows: by the C++ op (runtime/csrc/
+    device_layout.cpp, multithreaded, at memory speed) when the CPU kernels are built, else by to_device_numpy (the
+    reference, 0.05-0.25 GB/s on one core: about a minute for a plan that puts 12 GB on the GPU)."""
+    rows = as_rows(raw, ty, cols)
+    op = _layout_op()
+    if op is None:
+        return to_device_numpy(rows, ty, cols)
+    from runtime.weights import as_tensor
+
+    q0, q1, so = _tables(ty)
+    return op(as_tensor(rows), ty, cols, q0, q1, so, device_stride(ty, cols)).numpy()
+
+
+def _layout_op():
+    from runtime import qops
+
+    if not qops.available():
+        return None
+    import torch
+
+    try:
+        return torch.ops.pinfer.device_layout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@cache
+def _tables(ty: int) -> tuple:
+    """_tile_order's tables as the C++ op takes them: (q0, q1, so), int32 tensors or None."""
+    import torch
+
+    if ty == F32:
+        return None, None, None
+    t = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)) for a in _tile_order(ty)]
+    if ty in (F16, BF16):
+        return t[0], None, None
+    if ty == Q8_0:
+        return t[0], None, t[1]
+    return t[0], t[1], t[2]
+
+
+def to_device_numpy(raw: np.ndarray, ty: int, cols: int) -> np.ndarray:
+    """to_device in numpy: the definition of the layout (device_layout.cpp must equal it byte for byte)."""
     rows = as_rows(raw, ty, cols)
     n, nb = rows.shape[0], cols // 32
     ntile = nb // 32
