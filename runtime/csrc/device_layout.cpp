@@ -1,7 +1,7 @@
 // The GPU kernels' row layout (runtime/gpu/layout.py: to_device, kernels/quant.cuh), made from the file's rows on the
-// CPU at memory speed. layout.py's numpy version is the reference (tests/test_gpu_layout.py compares the two byte for
-// byte) and the fallback without these kernels; it ran at 0.05-0.25 GB/s, which made loading a plan with 12 GB on
-// the GPU take about a minute.
+// CPU at memory speed. layout.py's numpy version is the reference (tests/test_gpu_kernels.py compares the two byte for
+// byte) and the fallback without these kernels; it runs at 0.05-0.25 GB/s, ~50 s for a plan with 12 GB on the GPU
+// (the H200 run's loads took 50-67 s).
 //
 // Per row: whole tiles of 1024 values, each a permutation of its values (the tables q0/q1/so come from layout.py's
 // _tile_order, so the permutation is defined there once), then the remaining values in the file's order, then zeros

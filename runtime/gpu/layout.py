@@ -121,7 +121,7 @@ def _tile_order(ty: int) -> tuple[np.ndarray, ...]:
 def to_device(raw: np.ndarray, ty: int, cols: int) -> np.ndarray:
     """uint8 [rows, device_stride] in quant.cuh's layout, from the file's rows: by the C++ op (runtime/csrc/
     device_layout.cpp, multithreaded, at memory speed) when the CPU kernels are built, else by to_device_numpy (the
-    reference, 0.05-0.25 GB/s on one core: about a minute for a plan that puts 12 GB on the GPU)."""
+    reference, 0.05-0.25 GB/s on one core: ~50 s, by that speed, for a plan that puts 12 GB on the GPU)."""
     rows = as_rows(raw, ty, cols)
     op = _layout_op()
     if op is None:
