@@ -78,7 +78,8 @@ def make_models(args) -> list[Path]:
     tag = "" if args.sparsity == 0.9 else f"-s{args.sparsity:g}"
     f16 = d / f"pi-1b{tag}-f16.gguf"
     if not f16.exists():  # stats=False: PowerInfer loads no tensor it does not know
-        generate_fast(f16, "1b", "f16", sparsity=args.sparsity, stats=False, say=print)
+        generate_fast(f16, "1b", "f16", sparsity=args.sparsity, stats=False,
+                      say=lambda msg: print(msg, file=sys.stderr))  # stdout is the --json output
     models = [f16]
     if args.quantize:
         q4 = d / f"pi-1b{tag}-q4_0.gguf"
