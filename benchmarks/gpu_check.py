@@ -141,8 +141,9 @@ def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> N
     x = rng.standard_normal((1, d)).astype(np.float32)
 
     def pred(D, get):
-        s, i, c = D.predict(D.upload_predictor(fc1, fc2), D.asarray(x), threshold=0.5, skip=D.asarray(skip), ids=True)
-        return get(s), get(i)[:int(get(c)[0])]
+        s, found = D.predict(D.upload_predictor(fc1, fc2), D.asarray(x), threshold=0.5, skip=D.asarray(skip), ids=True)
+        found = get(found)
+        return get(s), found[1:1 + int(found[0])]
 
     (gs, gi), (ws, wi) = both(pred)
     record("predict", f"r=1000 n_ff={n_ff}", _err(gs, ws, np.abs(ws).max()), 1e-4)

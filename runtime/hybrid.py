@@ -92,11 +92,11 @@ class Uploader:
         with _Span(self.split, "transfer_s"):
             return self.dev.asarray(_host(x))
 
-    def down(self, a) -> torch.Tensor:
+    def down(self, a, dtype=np.float32) -> torch.Tensor:
         with _Span(self.split, "gpu_wait_s"):
             self.dev.synchronize()
         with _Span(self.split, "transfer_s"):
-            return torch.from_numpy(np.asarray(self.dev.to_numpy(a), dtype=np.float32))
+            return torch.from_numpy(np.asarray(self.dev.to_numpy(a), dtype=dtype))
 
 
 def _upload(dev, w: QWeight, rows=None):  # rows: an index array gathering some rows
@@ -235,12 +235,12 @@ class HybridFFN:
         dev, m, T = self.dev, self.masker, x.shape[0]
         thr = m.pred.threshold
         rd = self.io.up(resid)  # one upload: the predictor reads the residual, the FFN rows its norm
-        scores, ids, count = dev.predict(self.pred, rd, threshold=thr, skip=self.skip, ids=True)
+        scores, found = dev.predict(self.pred, rd, threshold=thr, skip=self.skip, ids=True)
         if self.always is not None:
             scores.reshape(T, -1)[:, self.always] = float("inf")
         y_gpu = self._launch(x, scores, thr, None, xd=self._device_norm(rd) if self.gpu else None)
-        n = int(self.io.down(count).reshape(-1)[0])
-        cpu_ids = self.io.down(ids[:n]).long() if n else torch.zeros(0, dtype=torch.long)
+        found = self.io.down(found, np.int32)  # count and ids in one copy
+        cpu_ids = found[1:1 + int(found[0])].long()
         if m.always is not None:
             cpu_ids = torch.unique(torch.cat([cpu_ids, m.always[self.cpu_mask[m.always]]]))
         if T == 1:

@@ -318,15 +318,16 @@ def test_predictor(dev, ref, r, d, n_ff, T):
     skip = (rng.random(n_ff) < 0.25).astype(np.uint8)
     x = rng.standard_normal((T, d)).astype(np.float32)
     for sk in (None, skip):
-        (gs, gi, gc), (ws, wi, wc) = on_both(dev, ref, lambda D, sk=sk: D.predict(
+        (gs, gf), (ws, wf) = on_both(dev, ref, lambda D, sk=sk: D.predict(
             D.upload_predictor(fc1, fc2), D.asarray(x), threshold=0.1, skip=None if sk is None else D.asarray(sk),
             ids=True))
         assert rel_err(gs, ws, np.abs(ws).max()) < TOL
-        gi, wi = gi[:gc[0]], wi[:wc[0]]
+        assert gf.shape == (1 + n_ff,)  # [count, ids...]
+        gi, wi = gf[1:1 + gf[0]], wf[1:1 + wf[0]]
         assert (np.diff(gi) > 0).all()  # ascending
         near = (np.abs(ws - 0.1) < 1e-5).any(0)
         assert set(np.setxor1d(gi, wi)) <= set(np.flatnonzero(near))
-        assert 0 < gc[0] < n_ff
+        assert 0 < gf[0] < n_ff
 
 
 # ------------------------------------------------------------------ norms and small ops

@@ -246,16 +246,18 @@ class CudaDevice:
         return 32 * max(1, -(-k * units // (2 * self.sm_count * 8 * 32)))  # whole ballots of 32 rows
 
     def predict(self, pred: PredictorWeights, x, *, threshold=0.0, skip=None, ids=False):
-        """scores[T, n_ff] = fc2 @ relu(fc1 @ x); with ids also (ids int32 [n_ff], count int32 [1]): the ascending
-        neurons with a score >= threshold for some token and skip == 0 (skip: uint8 [n_ff] or None), first count."""
+        """scores[T, n_ff] = fc2 @ relu(fc1 @ x); with ids also found, int32 [1 + n_ff]: found[0] = count, then
+        the ascending neurons with a score >= threshold for some token and skip == 0 (skip: uint8 [n_ff] or None).
+        One buffer, so that the host fetches count and ids in one copy."""
         hid = self.matmul(pred.fc1, x, relu=True)
         scores = self._axpy(pred.fc2_t, hid, self.zeros((x.shape[0], pred.n_ff)))
         if not ids:
             return scores
-        idx, count = self.empty((pred.n_ff,), np.int32), self.empty((1,), np.int32)
+        found = self.empty((1 + pred.n_ff,), np.int32)
         self._launch("predictor", "select_active", (1,), (1024,),
-                     (scores, _i32(x.shape[0]), _i32(pred.n_ff), np.float32(threshold), _ptr(skip), idx, count))
-        return scores, idx, count
+                     (scores, _i32(x.shape[0]), _i32(pred.n_ff), np.float32(threshold), _ptr(skip), found[1:],
+                      found[:1]))
+        return scores, found
 
     # ---- norms, attention, small ops
     def rms_norm(self, x, w, eps: float, out=None):

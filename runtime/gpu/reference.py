@@ -146,10 +146,11 @@ class ReferenceDevice:
         sel = (scores >= threshold).any(0)
         if skip is not None:
             sel &= skip == 0
-        found = torch.nonzero(sel).flatten().int()
-        idx = torch.zeros(pred.n_ff, dtype=torch.int32)
-        idx[:found.numel()] = found
-        return scores, idx, torch.tensor([found.numel()], dtype=torch.int32)
+        ids = torch.nonzero(sel).flatten().int()
+        found = torch.zeros(1 + pred.n_ff, dtype=torch.int32)  # [count, ids...], as CudaDevice.predict
+        found[0] = ids.numel()
+        found[1:1 + ids.numel()] = ids
+        return scores, found
 
     # ---- norms, attention, small ops
     def rms_norm(self, x, w, eps: float, out=None) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -126,8 +127,8 @@ def build(code: str) -> Module:
         if key in _modules:
             return _modules[key]
     CACHE.mkdir(parents=True, exist_ok=True)
-    src, lib, meta = CACHE / f"{key}.cu", CACHE / f"{key}.so", CACHE / f"{key}.kernels"
-    if not lib.exists():
+    src, lib, meta = CACHE / f"{key}.cu", CACHE / f"{key}.so", CACHE / f"{key}.kernels.json"
+    if not (lib.exists() and meta.exists()):
         src.write_text(code)
         pre = subprocess.run([CXX, "-E", "-P", "-DEMU_SCAN", "-x", "c++", "-std=c++17", "-include", str(HEADER),
                               str(src)], capture_output=True, text=True)
@@ -141,10 +142,10 @@ def build(code: str) -> Module:
                             capture_output=True, text=True)
         if cc.returncode:
             raise EmuError(cc.stderr[-20000:])
-        meta.write_text(repr(kernels))
+        meta.write_text(json.dumps(kernels))
         os.replace(tmp, lib)
-    import ast
-
-    module = Module(lib, ast.literal_eval(meta.read_text()))
+    # JSON, not ast.literal_eval: CPython 3.11's AST constructor failed here at random ("recursion depth mismatch")
+    # after the emulation's fibers had run
+    module = Module(lib, {k: [tuple(p) for p in v] for k, v in json.loads(meta.read_text()).items()})
     with _lock:
         return _modules.setdefault(key, module)
