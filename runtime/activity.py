@@ -42,6 +42,12 @@ class ActivationRule:
             raise PinferError("SwiGLU activations have no notion of active without a threshold; pass --sparsity S")
         return F.silu(gate).abs() > float(self.thresholds[layer])
 
+    @property
+    def has_margin(self) -> bool:
+        """Whether margin() gives one: the ReLU family (SwiGLU's CATS rule has none). Profiling keeps margins, and
+        budgets their memory, by this."""
+        return self.act != "silu"
+
     def margin(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor | None:
         """float [T, n_ff], positive exactly where the neuron is active, and linear in the FFN's normed input for
         ReLU-family FFNs: the pre-activation that decides (up for gate-less FFNs, gate for ReGLU; for dReLU the

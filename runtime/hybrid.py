@@ -42,7 +42,7 @@ from .ffn_sparse import CatsOracleMasker, PredictorMasker, SparseFFN, SparsitySt
 from .linear import Linear
 from .model import Norm
 from .placement import GIB, Placement
-from .predictor import as_float32
+from .predictor import as_float
 from .sparse_ops import FFNRows, ffn_exact, ffn_masked, ffn_sparse
 from .weights import QWeight
 
@@ -182,7 +182,7 @@ class HybridFFN:
         self.pred = None
         if pred_on_gpu and isinstance(self.masker, PredictorMasker):
             p = self.masker.pred
-            self.pred = dev.upload_predictor(as_float32(p.fc1).numpy(), as_float32(p.fc2).numpy())
+            self.pred = dev.upload_predictor(as_float(p.fc1).numpy(), as_float(p.fc2).numpy())
             self.skip = dev.asarray(on_gpu.astype(np.uint8))
             # the device norms the residual itself (RMSNorm, or LayerNorm with bias for Falcon and OPT)
             self.norm = norm

@@ -33,8 +33,8 @@ class Predictor:
 
     fc1 [r, d] and fc2 [n_ff, r] are float tensors (trained, imported, or F16/F32 views of the file), or QWeights:
     a file's BF16/Q4_0/Q4_1/Q8_0 predictors (PowerInfer's `quantize` makes Q4_0 ones) stay in that encoding, read in
-    place by the kernels. float32 copies: kept only for the torch fallback (float32()); as_float32 converts without
-    keeping one (a GPU upload)."""
+    place by the kernels. float32 copies: kept only for the torch fallback (float32()); a GPU upload takes as_float,
+    which copies nothing but a QWeight's dequantisation."""
 
     fc1: torch.Tensor | QWeight
     fc2: torch.Tensor | QWeight
@@ -64,7 +64,7 @@ class Predictor:
             return self.fc1, self.fc2
         c = self._f32
         if c is None or c[0] is not self.fc1 or c[1] is not self.fc2:  # training may replace fc2 (fold_thresholds)
-            c = self._f32 = (self.fc1, self.fc2, as_float32(self.fc1), as_float32(self.fc2))
+            c = self._f32 = (self.fc1, self.fc2, as_float(self.fc1).float(), as_float(self.fc2).float())
         return c[2], c[3]
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +120,10 @@ def _nbytes(w: torch.Tensor | QWeight) -> int:
     return w.nbytes if isinstance(w, QWeight) else w.numel() * w.element_size()
 
 
-def as_float32(w: torch.Tensor | QWeight) -> torch.Tensor:
-    """A predictor weight as float32 (a copy unless it is a float32 tensor), not kept."""
-    return w.dequantize() if isinstance(w, QWeight) else w.float()
+def as_float(w: torch.Tensor | QWeight) -> torch.Tensor:
+    """A predictor weight as a float tensor, not kept: a float tensor as it is (no copy), a QWeight dequantised."""
+    return w.dequantize() if isinstance(w, QWeight) else w
+
 
 
 def sparse_threshold(f: GGUFFile) -> float:

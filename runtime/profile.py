@@ -162,7 +162,7 @@ def profile(model, windows: list[list[int]], rule: ActivationRule, corpus: str =
     rows = [torch.from_numpy(picked[bounds[w]:bounds[w + 1]] - starts[w]) for w in range(len(windows))]
     xs_out = np.zeros((L, k, d), dtype=np.float32)
     bits = np.zeros((L, k, -(-n_ff // 8)), dtype=np.uint8)
-    with_margin = rule.act != "silu"
+    with_margin = rule.has_margin
     margin_q = np.zeros((L, k, n_ff), dtype=np.int8) if with_margin else None
     margin_scale = np.zeros((L, k), dtype=np.float32) if with_margin else None
 

@@ -213,7 +213,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
             what = f"{n_tokens} tokens in the corpus" if sample == n_tokens else f"--sample-tokens {sample}"
             raise PinferError(f"training predictors for this model needs at least {need} profiled tokens, "
                               f"{what}; pass more text with --corpus or raise --tokens")
-        _check_sample_memory(cfg, sample, rule.act != "silu", need)
+        _check_sample_memory(cfg, sample, rule.has_margin, need)
         with _Bar(quiet) as bar:
             prof = profile(m, windows, rule, desc, sample_tokens=sample, sparsity=o["sparsity"], seed=o["seed"],
                              progress=bar.callback(f"profiling {n_tokens} tokens"))
