@@ -2,26 +2,30 @@
 
 Per layer, the GPU holds what the placement gives it, in the file's own encoding: the attention projections with
 the layer's KV cache (f16, in device memory), the predictor, and the rows of its hottest FFN neurons (GPU row j is
-neuron bucket[j]). The CPU keeps everything else and the residual stream. A decode step of a split layer whose
-predictor is on the GPU:
+neuron bucket[j]). The CPU holds the other neurons, and attention where the plan leaves it.
 
-    host                                       device
-    x (residual)      --- upload x (d floats) -->
-                                                scores = predictor(x); ids of the active neurons the CPU holds
-                      <-- count, ids ---------
-                                                y_gpu = FFN over norm(x) on the GPU rows whose score passes (async)
-    y_cpu = FFN over norm(x) on those ids       (the C++ kernels, concurrently)
-    x += y_cpu + y_gpu <-- download y_gpu -----
+The residual stream stays where the work is. Through layers whose attention runs on the GPU it lives on the device,
+and a decode step of such a layer with a split FFN crosses the bus twice:
 
-With the predictor on the CPU the host sends the scores instead of receiving ids. Attention on the GPU is the same
-shape (the normed x up, its output down). The result equals the CPU's sparse FFN with the same masks: every neuron is
-computed exactly once, on one side, with the same activation rule (tests/test_hybrid.py, with a CPU stand-in device
-and with the CUDA kernels under emulation).
+    host                                          device
+    y_cpu of the layer before  -- one copy -->    x += y_cpu
+                                                  x += attention(norm(x))
+                                                  scores = predictor(x); the CPU's active neurons
+                               <-- one copy --    [norm(x), x, count, ids]
+    y_cpu = FFN over the CPU's active neurons     x += FFN over the GPU's active rows (at the same time)
 
-Measured on an H200 with 8 CPU threads (benchmarks/gpu_e2e.py, Llama2-13B-shaped F16, 12 GiB budget, pi-plan's
-placement): 20.3 tokens/s, of which per token 37.5 ms on the CPU (its cold neurons and this Python orchestration),
-10.2 ms in copies (~7 small transfers per layer) and 1.7 ms waiting for the GPU. The next steps are fewer, batched
-copies (pinned buffers) and one CUDA graph per decode step; see README "GPU".
+Through layers whose attention runs on the CPU the stream lives on the host: x goes up, the active ids come back
+before the device's rows are launched, and the device's partial sum comes back after them (three copies). A layer
+whose FFN the CPU holds entirely, or the GPU, crosses less (none for a layer wholly on the GPU). What crosses at one
+point is laid side by side in one device buffer and one page-locked host buffer (Link), copied asynchronously on the
+hybrid's own stream; the host waits on an event for what it needs, so the CPU's neurons run while the GPU's do.
+
+The result equals the CPU's sparse FFN with the same masks: every neuron is computed exactly once, on one side, with
+the same activation rule (tests/test_hybrid.py, with a CPU stand-in device and with the CUDA kernels under emulation).
+
+Measured on an H200 with 8 CPU threads before this layout of copies (benchmarks/gpu_e2e.py, Llama2-13B-shaped F16,
+12 GiB budget, pi-plan's placement): 20.3 tokens/s, of which per token 37.5 ms on the CPU, 10.2 ms in copies (~5
+synchronous copies per layer then) and 1.7 ms waiting for the GPU. See README "GPU".
 
 The device is runtime.gpu.CudaDevice (CuPy) on a real GPU, or runtime.gpu.ReferenceDevice (torch on the CPU) as the
 stand-in the tests use.
@@ -40,19 +44,21 @@ from formats.errors import PinferError
 from .ffn_dense import DenseFFN
 from .ffn_sparse import CatsOracleMasker, PredictorMasker, SparseFFN, SparsityStats
 from .linear import Linear
-from .model import Norm
+from .model import Norm, Transformer
 from .placement import GIB, Placement
 from .predictor import as_float
 from .sparse_ops import FFNRows, ffn_exact, ffn_masked, ffn_sparse
 from .weights import QWeight
 
 DEVICE_T = 8  # tokens per device FFN launch (the GPU kernels loop over at most this many tokens)
+ALIGN = 256  # bytes: where each part of a staging buffer starts
 
 
 @dataclass
 class Split:
-    """Host time spent waiting for the GPU and in host<->device copies, summed over the decode steps since the last
-    reset; the rest of a step's time is CPU work (pi-run --json reports the three per token)."""
+    """Host time spent waiting for the GPU (for a result, or an event after a copy) and staging and queueing copies,
+    summed over the decode steps since the last reset; the rest of a step's time is CPU work (pi-run --json reports
+    the three per token). Copies are asynchronous, so the time a copy spends on the bus shows as waiting."""
 
     gpu_wait_s: float = 0.0
     transfer_s: float = 0.0
@@ -78,39 +84,107 @@ class _Span:
         setattr(self.split, self.field, getattr(self.split, self.field) + time.perf_counter() - self.t0)
 
 
+class Bus:
+    """The host<->device traffic of a hybrid model: the one stream all its device work is queued on, and the time
+    the host spends on copies and waits."""
+
+    def __init__(self, dev):
+        self.dev, self.stream, self.split = dev, dev.stream(), Split()
+
+    def link(self) -> Link:
+        return Link(self)
+
+
+class Link:
+    """The parts that cross the bus together at one point of a layer, side by side in one device buffer and one
+    page-locked host buffer of the same size, so that they cross in one copy. The device writes its parts straight
+    into their views (layout -> device views; fetch; wait -> host views); the host fills its parts and sends them
+    (put -> device views). Buffers grow for a longer chunk of tokens, never shrink; host views stay valid until the
+    link is used again (the next forward pass), so a caller keeping a result copies it."""
+
+    def __init__(self, bus: Bus):
+        self.bus, self.dev, self.cap, self.used = bus, bus.dev, 0, 0
+        self.host: dict[str, torch.Tensor] = {}
+        self.event = None
+
+    def layout(self, **parts) -> dict:
+        """parts: name=(shape, dtype). Returns the device views by name."""
+        offs, n = {}, 0
+        for name, (shape, dtype) in parts.items():
+            offs[name] = n
+            n += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+        self.host = {}
+        if n > self.cap:  # (a copy may still read the old buffers: let it finish first)
+            self.bus.stream.synchronize()
+            self.cap = max(n, 2 * self.cap)
+            self.d = self.dev.empty((self.cap,), np.uint8)
+            self.h = self.dev.pinned((self.cap,), np.uint8)
+        self.used = n
+        views = {}
+        for name, (shape, dtype) in parts.items():
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            views[name] = self.dev.view(self.d, offs[name], shape, dtype)
+            self.host[name] = torch.from_numpy(self.h[offs[name]:offs[name] + nbytes].view(dtype).reshape(shape))
+        return views
+
+    def put(self, **tensors: torch.Tensor) -> dict:
+        """Copy host tensors to the device in one copy; returns their device views."""
+        with _Span(self.bus.split, "transfer_s"):
+            views = self.layout(**{k: (tuple(t.shape), _np_dtype(t)) for k, t in tensors.items()})
+            for k, t in tensors.items():
+                self.host[k].copy_(t)
+            self.dev.to_device_async(self.h[:self.used], self.dev.view(self.d, 0, (self.used,), np.uint8),
+                                     self.bus.stream)
+        return views
+
+    def fetch(self) -> None:
+        """Queue the copy of every part to the host, after the work queued so far."""
+        with _Span(self.bus.split, "transfer_s"):
+            self.dev.to_host_async(self.dev.view(self.d, 0, (self.used,), np.uint8), self.h[:self.used],
+                                   self.bus.stream)
+            self.event = self.bus.stream.record()
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        with _Span(self.bus.split, "gpu_wait_s"):
+            self.event.synchronize()
+        return self.host
+
+
+def _np_dtype(t: torch.Tensor):
+    return {torch.float32: np.float32, torch.int32: np.int32, torch.uint8: np.uint8}[t.dtype]
+
+
 def _host(a) -> np.ndarray:
     return np.ascontiguousarray(a.detach().float().numpy() if isinstance(a, torch.Tensor) else a, dtype=np.float32)
-
-
-class Uploader:
-    """Moves hidden vectors between host and device, and times the copies and the waits."""
-
-    def __init__(self, dev, split: Split):
-        self.dev, self.split = dev, split
-
-    def up(self, x: torch.Tensor):
-        with _Span(self.split, "transfer_s"):
-            return self.dev.asarray(_host(x))
-
-    def down(self, a, dtype=np.float32) -> torch.Tensor:
-        with _Span(self.split, "gpu_wait_s"):
-            self.dev.synchronize()
-        with _Span(self.split, "transfer_s"):
-            return torch.from_numpy(np.asarray(self.dev.to_numpy(a), dtype=dtype))
 
 
 def _upload(dev, w: QWeight, rows=None):  # rows: an index array gathering some rows
     return dev.upload_matrix(w.data.numpy(), int(w.qtype), w.cols, rows)
 
 
+class DeviceNorm:
+    """RMSNorm, or LayerNorm with its bias (Falcon, OPT), on the device."""
+
+    def __init__(self, dev, norm: Norm):
+        self.dev, self.norm = dev, norm
+        self.w = dev.asarray(_host(norm.w))
+        self.b = None if norm.b is None else dev.asarray(_host(norm.b))
+
+    def __call__(self, x, out=None):
+        if self.norm.layer:
+            return self.dev.layer_norm(x, self.w, self.b, self.norm.eps, out=out)
+        return self.dev.rms_norm(x, self.w, self.norm.eps, out=out)
+
+
 class DeviceAttention:
     """One layer's attention on the device: Q/K/V and output projections as the file stores them (Falcon's fused
     attn_qkv uploaded as its three row blocks), their biases (OPT), RoPE in the model's order (llama pairs, NeoX
-    halves for Falcon, none for OPT), the KV cache in device memory (f16) and attention over it. Input: the normed
-    hidden state; output: the attention output, biases included."""
+    halves for Falcon, none for OPT), the KV cache in device memory (f16) and attention over it. heads() takes the
+    normed hidden state on the device; project() adds the output projection (biases included) into the residual."""
 
-    def __init__(self, dev, io: Uploader, cfg, b, max_ctx: int):
-        self.dev, self.io, self.cfg = dev, io, cfg
+    def __init__(self, dev, cfg, b, max_ctx: int):
+        self.dev, self.cfg = dev, cfg
+        self.norm = DeviceNorm(dev, b.attn_norm)
         q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         bounds = (0, q, q + kv, q + 2 * kv)  # q, k, v rows of the projection's output
         ws = b.wqkv.ws
@@ -129,38 +203,49 @@ class DeviceAttention:
         self.rope = dict(n_rot=0 if cfg.rope == "none" else cfg.head_dim, neox=cfg.rope == "neox",
                          base=cfg.rope_base, rope_scale=cfg.rope_scale)
 
-    def __call__(self, xn: torch.Tensor, pos: int) -> torch.Tensor:
-        cfg, dev, T = self.cfg, self.dev, xn.shape[0]
-        x = self.io.up(xn)
-        q = dev.matmul(self.wq, x, bias=self.bq).reshape(T, cfg.n_head, cfg.head_dim)
-        k = dev.matmul(self.wk, x, bias=self.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)
-        v = dev.matmul(self.wv, x, bias=self.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)
+    def heads(self, xa, pos: int):
+        """The attention heads' output [T, n_head * head_dim] for the normed input xa [T, d], cache written."""
+        cfg, dev, T = self.cfg, self.dev, xa.shape[0]
+        q = dev.matmul(self.wq, xa, bias=self.bq).reshape(T, cfg.n_head, cfg.head_dim)
+        k = dev.matmul(self.wk, xa, bias=self.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)
+        v = dev.matmul(self.wv, xa, bias=self.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)
         o = dev.attention(q, k, v, self.k_cache, self.v_cache, pos, **self.rope)
-        return self.io.down(dev.matmul(self.wo, o.reshape(T, cfg.n_head * cfg.head_dim), bias=self.bo))
+        return o.reshape(T, cfg.n_head * cfg.head_dim)
+
+    def project(self, o, out):
+        """out += o @ wo^T (+ bo)."""
+        return self.dev.matmul(self.wo, o, bias=self.bo, out=out, accumulate=True)
 
 
 class DeviceLinear:
-    """A linear layer on the device (the output head)."""
+    """The output head on the device: logits [T, vocab] of the normed hidden state, fetched in one copy."""
 
-    def __init__(self, dev, io: Uploader, lin: Linear):
-        self.dev, self.io = dev, io
+    def __init__(self, dev, bus: Bus, lin: Linear):
+        self.dev, self.link = dev, bus.link()
         self.ws = [_upload(dev, w) for w in lin.ws]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xd = self.io.up(x)
-        outs = [self.io.down(self.dev.matmul(w, xd)) for w in self.ws]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    def __call__(self, xn) -> torch.Tensor:
+        T = xn.shape[0]
+        views = self.link.layout(**{f"w{i}": ((T, w.rows), np.float32) for i, w in enumerate(self.ws)})
+        for i, w in enumerate(self.ws):
+            self.dev.matmul(w, xn, out=views[f"w{i}"])
+        self.link.fetch()
+        parts = list(self.link.wait().values())
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).clone()
 
 
 class HybridFFN:
     """One layer's FFN split by neuron: the device computes the neurons of `bucket`, the CPU the others, and the
     partial outputs are added. Which neurons are active follows the layer's masker exactly as on the CPU:
     predicted masks are applied on both sides (the device reads the same scores), exact masks (ReLU, CATS, dense) are
-    decided by each side's own gate rows."""
+    decided by each side's own gate rows.
 
-    def __init__(self, inner: SparseFFN | DenseFFN, rows: FFNRows, dev, io: Uploader, bucket: np.ndarray,
+    The parts a layer's step is made of, in the order they are queued: predict() (the predictor on the device),
+    launch() (the device's rows, for predicted masks once the scores are on the device), host() (the CPU's rows)."""
+
+    def __init__(self, inner: SparseFFN | DenseFFN, rows: FFNRows, dev, bus: Bus, bucket: np.ndarray,
                  pred_on_gpu: bool, norm: Norm):
-        self.inner, self.rows, self.dev, self.io = inner, rows, dev, io
+        self.inner, self.rows, self.dev, self.bus = inner, rows, dev, bus
         self.masker = inner.masker if isinstance(inner, SparseFFN) else None
         self.stats = inner.stats if isinstance(inner, SparseFFN) else SparsityStats()
         self.act, self.n_ff = rows.act, rows.n_ff
@@ -168,6 +253,7 @@ class HybridFFN:
         on_gpu[np.asarray(bucket, np.int64)] = True
         self.cpu_mask = torch.from_numpy(~on_gpu)
         self.cpu_idx = torch.from_numpy(np.flatnonzero(~on_gpu))
+        self.cpu_holds = bool(self.cpu_idx.numel())
         up, g, dt = rows.up, rows.gate, rows.down_t
         if g is not None and g.qtype != up.qtype:
             raise PinferError(f"{g.name} and {up.name} have different types ({g.type_name}, {up.type_name}); the "
@@ -179,103 +265,240 @@ class HybridFFN:
                                       gate=None if g is None else g.data.numpy(),
                                       up_bias=None if rows.up_bias is None else rows.up_bias.numpy(),
                                       down_ty=int(dt.qtype))
+        self.predicted = isinstance(self.masker, PredictorMasker)
+        self.host_works = self.cpu_holds or (self.predicted and not pred_on_gpu)  # its neurons, or the mask
         self.pred = None
-        if pred_on_gpu and isinstance(self.masker, PredictorMasker):
+        if pred_on_gpu and self.predicted:
             p = self.masker.pred
             self.pred = dev.upload_predictor(as_float(p.fc1).numpy(), as_float(p.fc2).numpy())
             self.skip = dev.asarray(on_gpu.astype(np.uint8))
-            # the device norms the residual itself (RMSNorm, or LayerNorm with bias for Falcon and OPT)
-            self.norm = norm
-            self.norm_w = dev.asarray(_host(norm.w))
-            self.norm_b = None if norm.b is None else dev.asarray(_host(norm.b))
             always = self.masker.always
             self.always = None if always is None else dev.asarray(always.numpy().astype(np.int64))
+        self.norm = DeviceNorm(dev, norm)  # for a residual stream on the host: the device norms x itself
+        self.up_link, self.ids_link, self.out_link = bus.link(), bus.link(), bus.link()
 
-    def __call__(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        m = self.masker
-        if isinstance(m, PredictorMasker):
-            if self.pred is not None:
-                return self._predicted_on_gpu(x, resid)
-            if x.shape[0] == 1:  # one token: the fused predictor's ids
-                mask = torch.zeros(1, self.n_ff, dtype=torch.bool)
-                mask[0, m.indices(self.rows, x, resid)] = True
-            else:
-                mask = m(self.rows, x, resid)
-            return self._masked(x, mask)
-        return self._exact(x, resid)
-
-    def _masked(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Both sides apply `mask` [T, n_ff]: the device reads it as scores >= 0.5."""
-        self.stats.add(mask)
-        y_gpu = self._launch(x, mask.float(), 0.5, None)
-        cpu = mask & self.cpu_mask
-        y = ffn_sparse(self.rows, x, cpu[0].nonzero().view(-1)) if x.shape[0] == 1 else ffn_masked(self.rows, x, cpu)
-        return y + self._collect(y_gpu)
-
-    def _exact(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        """Dense, exact ReLU or exact CATS masks: each side decides by its own rows (the kernels' gate-first pass)."""
-        m = self.masker
-        cats = m.threshold if isinstance(m, CatsOracleMasker) else 0.0
-        y_gpu = self._launch(x, None, 0.0, cats or None)
-        done = ffn_exact(self.rows, x, cats, idx=self.cpu_idx) if m is not None else None
-        if done is not None:
-            y, active = done
-            self.stats.add_counts(x.shape[0], active)  # the CPU's neurons; the device does not count its own
-        elif m is None:  # dense
-            y = ffn_sparse(self.rows, x, self.cpu_idx)
-        else:  # exact masks without the kernel: decide every neuron here, compute the CPU's
-            mask = m(self.rows, x, resid)
-            self.stats.add(mask)
-            y = ffn_masked(self.rows, x, mask & self.cpu_mask)
-        return y + self._collect(y_gpu)
-
-    def _predicted_on_gpu(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        """The predictor runs on the device: its scores feed the device's rows directly, and the ids of the active
-        neurons the CPU holds come back."""
-        dev, m, T = self.dev, self.masker, x.shape[0]
+    def predict(self, r, found=None):
+        """The device's predictor over the residual r [T, d]: scores [T, n_ff] for the device's rows, and into
+        `found` the CPU's active neurons (the union over the tokens) when the CPU holds any."""
+        m, T = self.masker, r.shape[0]
         thr = m.pred.threshold
-        rd = self.io.up(resid)  # one upload: the predictor reads the residual, the FFN rows its norm
-        scores, found = dev.predict(self.pred, rd, threshold=thr, skip=self.skip, ids=True)
+        scores, _ = self.dev.predict(self.pred, r, threshold=thr, skip=self.skip, ids=True, found=found)
         if self.always is not None:
             scores.reshape(T, -1)[:, self.always] = float("inf")
-        y_gpu = self._launch(x, scores, thr, None, xd=self._device_norm(rd) if self.gpu else None)
-        found = self.io.down(found, np.int32)  # count and ids in one copy
-        cpu_ids = found[1:1 + int(found[0])].long()
-        if m.always is not None:
-            cpu_ids = torch.unique(torch.cat([cpu_ids, m.always[self.cpu_mask[m.always]]]))
-        if T == 1:
-            self.stats.add_counts(1, int(cpu_ids.numel()))  # the CPU's neurons; the device does not count its own
-            y = ffn_sparse(self.rows, x, cpu_ids)
-        else:  # the device's ids are the union over the tokens: each token keeps its own mask
-            mask = m(self.rows, x, resid)
-            self.stats.add(mask)
-            y = ffn_masked(self.rows, x, mask & self.cpu_mask)
-        return y + self._collect(y_gpu)
+        return scores
 
-    def _device_norm(self, rd):
-        if self.norm.layer:
-            return self.dev.layer_norm(rd, self.norm_w, self.norm_b, self.norm.eps)
-        return self.dev.rms_norm(rd, self.norm_w, self.norm.eps)
-
-    def _launch(self, x: torch.Tensor, scores, threshold: float, cats, xd=None):
-        """Start the device's part (asynchronous on a real GPU); None when it holds no neurons. scores: a host
-        tensor [T, n_ff], a device array, or None (every GPU row, decided by its own gate). xd: x on the device
-        already (else it is uploaded)."""
+    def launch(self, xf, out, scores=None) -> None:
+        """Queue the device's rows over the normed input xf [T, d], added into out [T, d]. scores: the device
+        predictor's, or a host mask's sent as 0/1 (threshold 0.5), or None for exact masks (each row's own gate)."""
         if self.gpu is None:
-            return None
-        dev, T = self.dev, x.shape[0]
-        xd = self.io.up(x) if xd is None else xd
-        if isinstance(scores, torch.Tensor):
-            scores = self.io.up(scores)
-        out = dev.zeros((T, self.rows.n_embd))
+            return
+        m, T = self.masker, xf.shape[0]
+        if scores is None:
+            thr, cats = 0.0, (m.threshold if isinstance(m, CatsOracleMasker) else None)
+        else:
+            thr, cats = (m.pred.threshold if self.pred is not None else 0.5), None
         for a in range(0, T, DEVICE_T):
             b = min(a + DEVICE_T, T)
             s = None if scores is None else scores.reshape(T, -1)[a:b]
-            dev.ffn(self.gpu, xd[a:b], scores=s, threshold=threshold, cats=cats, out=out[a:b])
-        return out
+            self.dev.ffn(self.gpu, xf[a:b], scores=s, threshold=thr, cats=cats, out=out[a:b])
 
-    def _collect(self, y_gpu) -> torch.Tensor | float:
-        return 0.0 if y_gpu is None else self.io.down(y_gpu)
+    def host(self, xf: torch.Tensor, resid: torch.Tensor, found: torch.Tensor | None, send) -> torch.Tensor | None:
+        """The CPU's rows for the normed input xf and residual resid (host tensors [T, d]); None when the CPU holds
+        no neuron. found: the device predictor's [count, ids...]. send(mask): a host mask's part for the device
+        (the predictor on the CPU), called before the CPU's rows are computed so that both sides run at once."""
+        m, T = self.masker, xf.shape[0]
+        if self.predicted and self.pred is not None:
+            if not self.cpu_holds:
+                return None
+            if T == 1:
+                ids = found[1:1 + int(found[0])].long()
+                if m.always is not None:
+                    ids = torch.unique(torch.cat([ids, m.always[self.cpu_mask[m.always]]]))
+                self.stats.add_counts(1, int(ids.numel()))  # the CPU's neurons; the device does not count its own
+                return ffn_sparse(self.rows, xf, ids)
+            mask = m(self.rows, xf, resid)  # the device's ids are the union over the tokens: each keeps its own
+            self.stats.add(mask)
+            return ffn_masked(self.rows, xf, mask & self.cpu_mask)
+        if self.predicted:  # the predictor on the CPU: its mask, sent to the device's rows
+            if T == 1:
+                mask = torch.zeros(1, self.n_ff, dtype=torch.bool)
+                mask[0, m.indices(self.rows, xf, resid)] = True
+            else:
+                mask = m(self.rows, xf, resid)
+            self.stats.add(mask)
+            if self.gpu is not None:
+                send(mask)
+            cpu = mask & self.cpu_mask
+            if not self.cpu_holds:
+                return None
+            return ffn_sparse(self.rows, xf, cpu[0].nonzero().view(-1)) if T == 1 else ffn_masked(self.rows, xf, cpu)
+        if not self.cpu_holds:
+            return None
+        # dense, exact ReLU or exact CATS masks: the CPU decides for its own neurons (the kernels' gate-first pass)
+        cats = m.threshold if isinstance(m, CatsOracleMasker) else 0.0
+        done = ffn_exact(self.rows, xf, cats, idx=self.cpu_idx) if m is not None else None
+        if done is not None:
+            y, active = done
+            self.stats.add_counts(T, active)  # the CPU's neurons; the device does not count its own
+            return y
+        if m is None:  # dense
+            return ffn_sparse(self.rows, xf, self.cpu_idx)
+        mask = m(self.rows, xf, resid)  # exact masks without the kernel: decide every neuron here
+        self.stats.add(mask)
+        return ffn_masked(self.rows, xf, mask & self.cpu_mask)
+
+    def __call__(self, xf: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        """The layer's FFN for a residual stream on the host: x up (the device norms it), the CPU's active ids back
+        before the device's rows are queued, the device's partial sum back after them."""
+        dev, T, d = self.dev, xf.shape[0], self.rows.n_embd
+        pred = self.pred is not None
+        y_gpu = None if self.gpu is None else dev.zero(self.out_link.layout(y=((T, d), np.float32))["y"])
+        found = None
+        if pred:
+            r = self.up_link.put(r=resid.contiguous())["r"]
+            if self.cpu_holds:
+                found = self.ids_link.layout(found=((1 + self.n_ff,), np.int32))["found"]
+            scores = self.predict(r, found)
+            if found is not None:
+                self.ids_link.fetch()
+            if self.gpu is not None:
+                self.launch(self.norm(r), y_gpu, scores)
+        elif not self.predicted and self.gpu is not None:  # exact masks: each side decides by its own rows
+            self.launch(self.up_link.put(xf=xf.contiguous())["xf"], y_gpu)
+        early = y_gpu is not None and (pred or not self.predicted)
+        if early:
+            self.out_link.fetch()
+
+        def send(mask):  # the CPU's predictor decided: the device's rows go with its mask
+            s = self.up_link.put(xf=xf.contiguous(), s=mask.float())
+            self.launch(s["xf"], y_gpu, s["s"])
+            self.out_link.fetch()
+
+        y = self.host(xf, resid, None if found is None else self.ids_link.wait()["found"], send)
+        if y_gpu is not None:
+            y_gpu = self.out_link.wait()["y"]
+            y = y_gpu.clone() if y is None else y + y_gpu
+        return torch.zeros(T, d) if y is None else y
+
+
+class HybridTransformer:
+    """The model's forward pass with its parts on the device where the placement puts them (module docstring);
+    everything else (the KV cache of host layers, embeddings, blocks, stats) is the wrapped Transformer's."""
+
+    def __init__(self, tr: Transformer, dev, bus: Bus, head: DeviceLinear | None):
+        self.tr, self.dev, self.bus, self.head = tr, dev, bus, head
+        self.in_links = [bus.link() for _ in tr.blocks]
+        self.ffn_links = [bus.link() for _ in tr.blocks]
+        self.out_link, self.head_in = bus.link(), bus.link()
+        self.ffn_norm = [DeviceNorm(dev, b.ffn_norm) if b.attn_dev is not None else None for b in tr.blocks]
+        self.ffn_bias = [None if b.attn_dev is None or b.ffn_bias is None else dev.asarray(_host(b.ffn_bias))
+                         for b in tr.blocks]
+        self.out_norm = DeviceNorm(dev, tr.output_norm) if head is not None else None
+
+    def __getattr__(self, name):
+        return getattr(self.tr, name)
+
+    def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
+        x = _Residual(self.tr.embed(tokens, pos))
+        with self.bus.stream:
+            for li, b in enumerate(self.tr.blocks):
+                if b.attn_dev is not None:
+                    self._device_layer(li, b, x, pos)
+                else:
+                    self._host_layer(li, b, x, pos)
+            return self._head(x, all_logits)
+
+    def _host_layer(self, li: int, b, x: _Residual, pos: int) -> None:
+        tr = self.tr
+        xf, resid, y = tr.attend(li, b, self._on_host(x), pos)
+        x.host = y + tr.ffn(b, xf, resid)  # a HybridFFN crosses the bus itself
+
+    def _device_layer(self, li: int, b, x: _Residual, pos: int) -> None:
+        dev, att, ffn = self.dev, b.attn_dev, b.ffn
+        xd = self._on_device(self.in_links[li], x)
+        T, d = xd.shape
+        xa = att.norm(xd)
+        if b.parallel:  # Falcon: the FFN reads the layer input, attention is added after it was read
+            o = att.heads(xa, pos)
+        else:
+            att.project(att.heads(xa, pos), out=xd)
+        hf = ffn if isinstance(ffn, HybridFFN) else None
+        cpu_work = hf is None or hf.host_works
+        link = self.ffn_links[li]
+        parts = {"xf": ((T, d), np.float32), "r": ((T, d), np.float32)} if cpu_work else {}
+        if hf is not None and hf.pred is not None and hf.cpu_holds:
+            parts["found"] = ((1 + hf.n_ff,), np.int32)
+        views = link.layout(**parts)
+        xf = views.get("xf")
+        if b.parallel and b.ffn_norm is b.attn_norm:  # Falcon 7B: one norm for both branches
+            xf = xa if xf is None else dev.copy(xa, xf)
+        else:
+            xf = self.ffn_norm[li](xd, out=xf)
+        if cpu_work:
+            dev.copy(xd, views["r"])
+        scores = hf.predict(xd, views.get("found")) if hf is not None and hf.pred is not None else None
+        if cpu_work:
+            link.fetch()
+        if b.parallel:
+            att.project(o, out=xd)
+        if hf is not None and (hf.pred is not None or not hf.predicted):
+            hf.launch(xf, xd, scores)  # the device's rows, into the residual, while the CPU computes its own
+        if cpu_work:
+            h = link.wait()
+
+            def send(mask):  # the CPU's predictor decided: its mask for the device's rows
+                hf.launch(xf, xd, hf.up_link.put(s=mask.float())["s"])
+
+            y = hf.host(h["xf"], h["r"], h.get("found"), send) if hf is not None else ffn(h["xf"], h["r"])
+            if b.ffn_bias is not None:
+                y = b.ffn_bias if y is None else y + b.ffn_bias
+            x.pending = y
+        elif self.ffn_bias[li] is not None:
+            for t in range(T):
+                dev.add(xd[t], self.ffn_bias[li], out=xd[t])
+
+    def _on_device(self, link: Link, x: _Residual):
+        """x on the device, with what the host still had to add: one copy (the whole stream when it was on the
+        host, else the host's share of the last FFN). The stream then lives in the link's device buffer; a link that
+        sends is used once per forward pass, since its host buffer may still be in flight."""
+        if x.dev is None:
+            x.dev, x.host = link.put(x=x.host.contiguous())["x"], None
+        elif x.pending is not None:
+            p = link.put(p=x.pending.contiguous())["p"]
+            self.dev.add(x.dev, p, out=x.dev)
+            x.pending = None
+        return x.dev
+
+    def _on_host(self, x: _Residual) -> torch.Tensor:
+        if x.host is None:
+            self.dev.copy(x.dev, self.out_link.layout(x=(tuple(x.dev.shape), np.float32))["x"])
+            self.out_link.fetch()
+            h = self.out_link.wait()["x"].clone()
+            x.host, x.dev = (h if x.pending is None else h + x.pending), None
+            x.pending = None
+        return x.host
+
+    def _head(self, x: _Residual, all_logits: bool) -> torch.Tensor:
+        tr = self.tr
+        if self.head is None:
+            h = self._on_host(x)
+            h = h if all_logits else h[-1:]
+            return tr.output(tr.norm(h, tr.output_norm))
+        if x.dev is None:  # the stream on the host: the rows the head reads go up
+            h = x.host if all_logits else x.host[-1:]
+            xd = self.head_in.put(x=h.contiguous())["x"]
+        else:
+            xd = self._on_device(self.head_in, x)
+            xd = xd if all_logits else xd[-1:]
+        return self.head(self.out_norm(xd))
+
+
+class _Residual:
+    """The residual stream x [T, d] of one forward pass, where the last layer left it: on the host, or on the device
+    with `pending`, the host's share of the last FFN (its neurons' sum, and a down bias) still to add."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host, self.dev, self.pending = host, None, None
 
 
 def device_bytes(tr, placement: Placement, max_ctx: int) -> int:
@@ -304,8 +527,9 @@ def _rows(ffn) -> FFNRows:
 
 
 def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Split:
-    """Move the parts `placement` puts on the GPU onto `dev` and wrap the model's layers; returns the Split that
-    accumulates the host's time per category. Raises a one-line PinferError when the parts do not fit `budget`."""
+    """Move the parts `placement` puts on the GPU onto `dev` and run the model through a HybridTransformer; returns
+    the Split that accumulates the host's time per category. Raises a one-line PinferError when the parts do not
+    fit `budget`."""
     from .loader import transposed
 
     tr = model.transformer
@@ -313,18 +537,18 @@ def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Spl
     if budget is not None and need > budget:
         raise PinferError(f"the placement needs {need / GIB:.2f} GiB of VRAM for its weights and KV cache, the budget "
                           f"is {budget / GIB:.2f} GiB; lower --ctx-size or choose --placement layers|cpu")
-    split = Split()
-    io = Uploader(dev, split)
+    bus = Bus(dev)
     for li, b in enumerate(tr.blocks):
         if placement.attn[li]:
-            b.attn_dev = DeviceAttention(dev, io, tr.cfg, b, tr.max_ctx)
+            b.attn_dev = DeviceAttention(dev, tr.cfg, b, tr.max_ctx)
             tr.cache.free(li)
         bucket = placement.buckets[li]
         if len(bucket) or placement.pred[li]:
             rows = _rows(b.ffn)
             if rows.down_t is None:  # dense mode over a file with ffn_down: neuron-major rows for both halves
                 rows.down_t = transposed(b.ffn.down.ws[0])
-            b.ffn = HybridFFN(b.ffn, rows, dev, io, bucket, bool(placement.pred[li]), b.ffn_norm)
-    if placement.output:
-        tr.output = DeviceLinear(dev, io, tr.output)
-    return split
+            b.ffn = HybridFFN(b.ffn, rows, dev, bus, bucket, bool(placement.pred[li]), b.ffn_norm)
+    head = DeviceLinear(dev, bus, tr.output) if placement.output else None
+    model.transformer = HybridTransformer(tr, dev, bus, head)
+    dev.synchronize()  # the uploads ran on the default stream; the hybrid's own stream does not wait for it
+    return bus.split

@@ -174,13 +174,14 @@ def test_pi_plan_plans_the_file(profiled, arch, tmp_path, monkeypatch):
     assert out["plan"]["status"] in ("optimal", "baseline") and len(out["plan"]["layers"]) == 2
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "falcon-7b"])
 @pytest.mark.parametrize("mode", ["dense", "oracle", "sparse-pred-cpu", "sparse-pred-gpu"])
 def test_hybrid_equals_cpu(tmp_path, arch, mode):
     """The GPU half on the CPU stand-in: DeviceAttention with NeoX rope and fused QKV (Falcon), biases and no rope
-    (OPT), the FFN's up bias, LayerNorm on the device; any placement gives the CPU's logits."""
-    if arch == "falcon":
-        hf = H.make_falcon("40b_gqa_relu")
+    (OPT), the FFN's up bias, LayerNorm on the device, Falcon 7B's one norm for both branches; any placement gives
+    the CPU's logits."""
+    if arch.startswith("falcon"):
+        hf = H.make_falcon("7b_mqa_relu" if arch == "falcon-7b" else "40b_gqa_relu")
         meta, w = H.falcon_metadata(hf), H.falcon_tensors(hf)
     else:
         hf = H.make_opt()

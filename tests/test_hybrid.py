@@ -129,6 +129,77 @@ def test_placement_is_really_used(relu_pwri):
     assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
 
 
+class Recording(ReferenceDevice):
+    """The stand-in device, logging the copies and the launches of the device's FFN rows in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def to_device_async(self, host, out, stream=None):
+        self.log.append("up")
+        return super().to_device_async(host, out, stream)
+
+    def to_host_async(self, a, out, stream=None):
+        self.log.append("down")
+        return super().to_host_async(a, out, stream)
+
+    def asarray(self, a):
+        self.log.append("sync up")
+        return super().asarray(a)
+
+    def to_numpy(self, a):
+        self.log.append("sync down")
+        return super().to_numpy(a)
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def ffn(self, ffn, x, **kw):
+        self.log.append("rows")
+        return super().ffn(ffn, x, **kw)
+
+
+def decode_log(path, cfg, placement) -> list[list[str]]:
+    """The device's log of one decode step (after a prefill and a first step), cut at each layer's first copy up."""
+    dev = Recording()
+    m = hybrid_model(path, "sparse", placement, dev)
+    with torch.inference_mode():
+        m.transformer.forward(torch.tensor([5, 6, 7]), 0)
+        m.transformer.forward(torch.tensor([8]), 3)
+        dev.log.clear()
+        m.transformer.forward(torch.tensor([9]), 4)
+    steps, cur = [], []
+    for e in dev.log:
+        if e == "up" and "up" in cur:
+            steps.append(cur)
+            cur = []
+        cur.append(e)
+    return steps + [cur]
+
+
+def split_placement(cfg, attn_on_gpu: bool, output: bool) -> Placement:
+    L = cfg.n_layer
+    half = [np.arange(0, cfg.n_ff, 2, dtype=np.int64)] * L  # both sides hold neurons
+    return Placement("test", np.full(L, attn_on_gpu), np.ones(L, bool), half, output, "split")
+
+
+def test_split_layers_cross_the_bus_once_each_way(relu_pwri):
+    """#11's transfer pattern for a decode step, attention and predictors on the GPU, every FFN split: per layer one
+    copy up (the CPU's share of the layer before, or the embedding) and one copy down (normed x, x, the CPU's ids),
+    asynchronous; the device's rows are queued after the copy down, so the CPU's rows run while they do."""
+    path, cfg = relu_pwri
+    steps = decode_log(path, cfg, split_placement(cfg, attn_on_gpu=True, output=True))
+    assert steps == [["up", "down", "rows"]] * cfg.n_layer + [["up", "down"]], steps  # + the head's
+
+
+def test_host_attention_layers_fetch_ids_before_rows(relu_pwri):
+    """Attention on the CPU: x up, the CPU's ids down before the device's rows are queued, their sum down after."""
+    path, cfg = relu_pwri
+    steps = decode_log(path, cfg, split_placement(cfg, attn_on_gpu=False, output=False))
+    assert steps == [["up", "down", "rows", "down"]] * cfg.n_layer, steps
+
+
 def test_budget_too_small_is_one_line(relu_pwri):
     path, cfg = relu_pwri
     m = load_model(path)

@@ -13,8 +13,12 @@ Memory and transfers
   to_numpy(array) -> np.ndarray         copy back (synchronises)
   empty(shape, dtype=f32), zeros(shape, dtype=f32), synchronize()
   pinned(shape, dtype=f32) -> np.ndarray            page-locked host buffer (plain numpy on the reference)
-  stream() -> Stream                    `with dev.stream() as s:` launches inside go to s; s.synchronize()
-  to_device_async(host, out, stream=None), to_host_async(array, out, stream=None)
+  stream() -> Stream                    `with dev.stream() as s:` launches inside go to s; s.synchronize();
+                                        s.record() -> Event (event.synchronize() waits for the work queued before it)
+  to_device_async(host, out, stream=None), to_host_async(array, out, stream=None)      queued on the stream; from
+                                        and to pinned() buffers they do not wait (read `out` after an event)
+  view(buf, offset, shape, dtype=f32)   an array over bytes offset.. of a uint8 device buffer (no copy)
+  copy(src, out), zero(out)             on the device, queued
 
 Weights (from the file's encoding: numpy uint8 rows or typed arrays; types F32, F16, BF16, Q4_0, Q4_1, Q8_0 by ggml id
 or name, see layout.py; row lengths multiples of 32)
@@ -37,9 +41,10 @@ Compute
       rows whose activation is exactly 0. cats: SwiGLU's CATS threshold (h = 0 where |silu(g)| <= cats).
   ffn_down(ffn, h[T, k], out[T, d]) -> out                            out += h @ down rows (rows with h == 0 skipped)
   ffn(ffn, x, *, scores=None, threshold=0.0, cats=None, out=None) -> y[T, d]      both stages; adds into out if given
-  predict(pred, x[T, d], *, threshold=0.0, skip=None, ids=False) -> scores[T, n_ff]
-      with ids=True -> (scores, ids int32 [n_ff], count int32 [1]): ascending neurons with a score >= threshold for
-      some token, skip[i] == 0 (skip: uint8 [n_ff], e.g. the GPU neurons, so the list is the CPU's work); ids[:count]
+  predict(pred, x[T, d], *, threshold=0.0, skip=None, ids=False, found=None) -> scores[T, n_ff]
+      with ids=True -> (scores, found int32 [1 + n_ff]): found[0] = count, then the ascending neurons with a score
+      >= threshold for some token and skip[i] == 0 (skip: uint8 [n_ff], e.g. the GPU neurons, so the list is the
+      CPU's work), in one buffer so that they cross in one copy; written into `found` when given
   rms_norm(x, w, eps, out=None), layer_norm(x, w, b or None, eps, out=None)      per row of x [T, d]
   kv_cache(n_kv, max_ctx, head_dim) -> (k, v)          f16 zeros [n_kv, max_ctx, head_dim]
   attention(q[T, n_head, hd], k[T, n_kv, hd], v, cache_k, cache_v, pos, *, n_rot=None, neox=False, base=10000.0,
@@ -59,7 +64,8 @@ for the sparse FFN at 10% active rows; F16 GEMV 90% of copy bandwidth; decode at
 Known gap: the 2-8-token variants (gemv/sparse_up *_t8) spill registers and run 4-6x slower than one token.
 
 A hybrid FFN step: the GPU computes `ffn(gpu_rows, x, scores=...)` for its k neurons while the CPU computes the rest
-(predict(..., skip=gpu_mask, ids=True) gives the CPU's active neurons), then the two partial outputs are added.
+(predict(..., skip=gpu_mask, ids=True) gives the CPU's active neurons), then the two partial outputs are added; how
+the copies are laid out and overlapped: runtime/hybrid.py.
 """
 
 from .cuda import CudaDevice, GPUUnavailable

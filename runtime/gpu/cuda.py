@@ -107,7 +107,21 @@ class CudaDevice:
         return out
 
     def to_host_async(self, a, out: np.ndarray, stream=None) -> np.ndarray:
-        a.get(stream=stream, out=out)
+        """Queue a copy into `out` (page-locked, from pinned()); wait on an event recorded after it before reading."""
+        a.get(stream=stream, out=out, blocking=False)
+        return out
+
+    def view(self, buf, offset: int, shape, dtype=np.float32):
+        """An array of `shape` and `dtype` over bytes offset.. of the uint8 device buffer `buf` (no copy)."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return buf[offset:offset + n].view(dtype).reshape(shape)
+
+    def zero(self, out):
+        out.fill(0)
+        return out
+
+    def copy(self, src, out):
+        self.cp.copyto(out, src)
         return out
 
     # ---- weights
@@ -245,15 +259,16 @@ class CudaDevice:
         # blocks keep atomics a small share of the weight bytes; at least 32 rows (one ballot) per warp.
         return 32 * max(1, -(-k * units // (2 * self.sm_count * 8 * 32)))  # whole ballots of 32 rows
 
-    def predict(self, pred: PredictorWeights, x, *, threshold=0.0, skip=None, ids=False):
+    def predict(self, pred: PredictorWeights, x, *, threshold=0.0, skip=None, ids=False, found=None):
         """scores[T, n_ff] = fc2 @ relu(fc1 @ x); with ids also found, int32 [1 + n_ff]: found[0] = count, then
         the ascending neurons with a score >= threshold for some token and skip == 0 (skip: uint8 [n_ff] or None).
-        One buffer, so that the host fetches count and ids in one copy."""
+        One buffer (`found`, when given: e.g. part of a staging buffer), so that count and ids cross in one copy."""
         hid = self.matmul(pred.fc1, x, relu=True)
         scores = self._axpy(pred.fc2_t, hid, self.zeros((x.shape[0], pred.n_ff)))
         if not ids:
             return scores
-        found = self.empty((1 + pred.n_ff,), np.int32)
+        found = self.empty((1 + pred.n_ff,), np.int32) if found is None else found
+        _check(found, (1 + pred.n_ff,), "found")
         self._launch("predictor", "select_active", (1,), (1024,),
                      (scores, _i32(x.shape[0]), _i32(pred.n_ff), np.float32(threshold), _ptr(skip), found[1:],
                       found[:1]))

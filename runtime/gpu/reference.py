@@ -29,6 +29,9 @@ class _Stream:
     def synchronize(self) -> None:
         pass
 
+    def record(self) -> _Stream:  # an event that has always happened
+        return self
+
 
 class ReferenceDevice:
     name = "reference (torch, CPU)"
@@ -65,6 +68,16 @@ class ReferenceDevice:
     def to_host_async(self, a: torch.Tensor, out: np.ndarray, stream=None) -> np.ndarray:
         out[...] = a.numpy()
         return out
+
+    def view(self, buf: torch.Tensor, offset: int, shape, dtype=np.float32) -> torch.Tensor:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return torch.from_numpy(buf.numpy()[offset:offset + n].view(dtype).reshape(shape))
+
+    def zero(self, out: torch.Tensor) -> torch.Tensor:
+        return out.zero_()
+
+    def copy(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(src)
 
     # ---- weights
     def upload_matrix(self, raw: np.ndarray, ty: int | str, cols: int, rows=None) -> Matrix:
@@ -138,7 +151,7 @@ class ReferenceDevice:
             out = self.zeros((x.shape[0], ffn.d))
         return self.ffn_down(ffn, self.ffn_up(ffn, x, scores=scores, threshold=threshold, cats=cats), out)
 
-    def predict(self, pred: PredictorWeights, x: torch.Tensor, *, threshold=0.0, skip=None, ids=False):
+    def predict(self, pred: PredictorWeights, x: torch.Tensor, *, threshold=0.0, skip=None, ids=False, found=None):
         hid = torch.relu(x.to(self.dtype) @ pred.fc1.data.T)
         scores = (hid @ pred.fc2_t.data).float()
         if not ids:
@@ -147,7 +160,7 @@ class ReferenceDevice:
         if skip is not None:
             sel &= skip == 0
         ids = torch.nonzero(sel).flatten().int()
-        found = torch.zeros(1 + pred.n_ff, dtype=torch.int32)  # [count, ids...], as CudaDevice.predict
+        found = torch.zeros(1 + pred.n_ff, dtype=torch.int32) if found is None else found  # [count, ids...]
         found[0] = ids.numel()
         found[1:1 + ids.numel()] = ids
         return scores, found

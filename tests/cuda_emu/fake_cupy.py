@@ -25,7 +25,7 @@ class FakeArray(np.ndarray):
     def set(self, host, stream=None):
         self[...] = host
 
-    def get(self, stream=None, out=None):
+    def get(self, stream=None, out=None, blocking=True):
         if out is None:
             return np.array(self)
         out[...] = self
@@ -81,6 +81,7 @@ def matmul(a, b):
 
 
 maximum = np.maximum
+copyto = np.copyto
 
 
 class RawModule:
@@ -124,6 +125,9 @@ class _Stream:
 
     def synchronize(self):
         pass
+
+    def record(self):  # an Event: work on the CPU is done when queued
+        return self
 
 
 cuda = types.SimpleNamespace(
