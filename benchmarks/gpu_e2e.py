@@ -9,6 +9,9 @@
 3. Reports per placement: decode tokens/s, the per-token split (CPU, waiting for the GPU, copies), VRAM used, the
    planner's predicted tokens/s, whether the tokens equal the CPU path's, and the ratios plan/layers and
    plan/powerinfer.
+4. Calibrates the cost model on this machine (planner.calibration.calibrate_hybrid): the CPU's effective bandwidth
+   on these threads from the CPU-only run, a split layer's cost from the plan run; then every run's prediction with
+   both, the runs not fitted on being out of sample, and the two constants as a `pi-plan --hw` file's lines.
 Needs CuPy and a CUDA GPU (`--gpu reference` runs the same script on the CPU stand-in, for testing it).
 """
 
@@ -66,6 +69,7 @@ def run(path: Path, gpu: str, placement: str, args) -> dict:
            "decode_tokens_per_s_rounds": [round(s[0], 3) for s in steps], "tokens": tokens, "notes": notes,
            "prompt_tokens_per_s": round(m.stats.prompt_tps, 2), "sparsity": m.sparsity(),
            "hybrid": rep, "predicted_tokens_per_s": rep["placement"]["predicted_tokens_per_s"] if rep else None}
+    res["plan"] = _as_plan(m) if gpu != "none" else None
     del m
     gc.collect()
     if gpu == "cuda":
@@ -74,6 +78,62 @@ def run(path: Path, gpu: str, placement: str, args) -> dict:
         cupy.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return res
+
+
+def _as_plan(m) -> dict:
+    """The placement a run used, as the planner's Plan fields (GPU neurons are the hottest, as placements make them)."""
+    p = m.placement
+    return {"attn": p.attn.astype(int).tolist(), "pred": p.pred.astype(int).tolist(),
+            "n_gpu": [len(b) for b in p.buckets], "output": int(p.output)}
+
+
+def calibrate(path: Path, results: dict, args) -> dict:
+    """Fit the cost model's CPU bandwidth and split-layer cost to the measured runs (see the module docstring)."""
+    import numpy as np
+
+    from formats.errors import PinferError
+    from formats.reader import open_gguf
+    from planner.calibration import calibrate_hybrid
+    from planner.plan import Plan
+    from runtime import devices
+    from runtime import placement as pl
+
+    try:
+        _, info, why = devices.acquire(args.gpu)
+        if info is None:
+            return {"error": f"no GPU: {why}"}
+        budget = pl.budget_bytes(info, args.vram_budget)
+        problem = pl.problem_for(open_gguf(path), info, budget, args.ctx, args.threads, lambda msg: None)
+    except PinferError as e:
+        return {"error": str(e)}
+    L = problem.model.n_layer
+    runs = {}
+    for r in results["runs"]:
+        if "error" in r or not r.get("decode_tokens_per_s"):
+            continue
+        label = "cpu" if r["gpu"] == "none" else r["placement"]
+        if label in runs:
+            continue  # the CPU-only run and --placement cpu are the same plan: the first one counts
+        d = r.get("plan") or {"attn": [0] * L, "pred": [0] * L, "n_gpu": [0] * L, "output": 0}
+        n_gpu = np.array(d["n_gpu"])
+        plan = Plan(label, d["attn"], d["pred"], (n_gpu > 0).astype(int), n_gpu, d["output"])
+        runs[label] = (plan, 1.0 / r["decode_tokens_per_s"])
+    if "cpu" not in runs or "plan" not in runs:
+        return {"error": "needs the CPU-only run and the plan run"}
+    try:
+        fit = calibrate_hybrid(problem, runs)
+    except ValueError as e:
+        return {"error": str(e)}
+    err = fit.errors()
+    return {"cpu_bw_gbs": round(fit.cpu_bw_gbs, 2), "sync_us": round(fit.sync_us, 1), "fitted_on": fit.fitted_on,
+            "runs": {k: {"measured_tokens_per_s": round(fit.measured[k], 3),
+                         "predicted_tokens_per_s": round(fit.predicted[k], 3), "error": round(err[k], 4),
+                         "out_of_sample": k not in fit.fitted_on} for k in runs},
+            "uncalibrated_error": {r["placement"]: round(r["predicted_tokens_per_s"] / r["decode_tokens_per_s"] - 1, 4)
+                                   for r in results["runs"] if r.get("predicted_tokens_per_s")
+                                   and r.get("decode_tokens_per_s")},
+            "hw_file": f"[cpu]\nmem_bw_gbs = {fit.cpu_bw_gbs:.2f}\nbw_efficiency = 1.0\n[engine]\n"
+                       f"sync_us = {fit.sync_us:.1f}\n"}
 
 
 def main() -> None:
@@ -147,6 +207,7 @@ def main() -> None:
         results["plan_over_layers"] = round(by["plan"] / by["layers"], 3)
     if by.get("plan") and by.get("powerinfer"):
         results["plan_over_powerinfer"] = round(by["plan"] / by["powerinfer"], 3)
+    results["calibration"] = calibrate(path, results, args)
     save()
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
 

@@ -156,7 +156,8 @@ def _stored(f: GGUFFile, gpu: GPUInfo, budget: int, say) -> Placement | None:
                      bool(p.output), f"the plan in {Path(f.path).name}", float(tps) if tps is not None else None)
 
 
-def _problem(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say):
+def problem_for(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say):
+    """The planner's problem for this model on `gpu` with `budget` bytes, the CPU side on `threads` threads."""
     from planner.activations import Activations
     from planner.machine import resolve_hardware
     from planner.problem import build_problem
@@ -183,7 +184,7 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name
 
     fp = fingerprint(f)
     cache = plan_cache_path(fp, gpu.table_name or gpu.name, budget, ctx, f"{name}-t{threads}")
-    p = _problem(f, gpu, budget, ctx, threads, say)
+    p = problem_for(f, gpu, budget, ctx, threads, say)
     if cache.exists():
         try:
             data = json.loads(cache.read_text())
@@ -238,7 +239,7 @@ def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say
         say(f"{path.name} was made for {idx.vram_capacity / GIB:.2f} GiB of VRAM, {budget / GIB:.2f} GiB are "
             f"available: planning again")
         return None
-    p = _problem(f, gpu, budget, ctx, threads, say)
+    p = problem_for(f, gpu, budget, ctx, threads, say)
     dense = powerinfer_plan(p)
     zeros = np.zeros(n_layer, np.int64)
     n_gpu = np.array([len(b) for b in idx.gpu_bucket])

@@ -146,3 +146,37 @@ def test_cache_root(tmp_path, monkeypatch):
     assert machine.cache_dir() == tmp_path / "xdg" / "pinfer"
     monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "mine"))
     assert machine.cache_dir() == tmp_path / "mine"
+
+
+def test_hybrid_calibration_recovers_the_machine(tmp_path):
+    """calibrate_hybrid on runs 'measured' on a known machine (the cost model with other constants): it finds the
+    CPU's bandwidth from the CPU-only run and a split layer's cost from the split run, and then predicts the runs it
+    was not fitted on exactly."""
+    from dataclasses import replace
+
+    from formats.reader import open_gguf
+    from planner.baselines import cpu_plan, layers_plan, powerinfer_plan
+    from planner.calibration import calibrate_hybrid
+    from planner.costmodel import costs, evaluate
+    from planner.memory import account
+    from planner.plan import Plan
+    from planner.problem import build_problem
+    from tests.test_plan_helpers import fast_hw, gpu, tiny_model
+
+    path = tiny_model(tmp_path / "m.gguf", n_layer=6, n_ff=96)
+    total = account(open_gguf(path)).total
+    p = build_problem(path, fast_hw([gpu(budget_bytes=total // 2, model=path)]))
+    L, n_ff = p.model.n_layer, p.model.n_ff
+    split = Plan("split", np.ones(L), np.ones(L), np.ones(L), [n // 3 for n in n_ff], 1)
+    machine_hw = replace(p.hw, cpu=replace(p.hw.cpu, mem_bw_gbs=0.7, bw_efficiency=1.0), sync_us=400.0)
+    truth = replace(p, hw=machine_hw, costs=costs(p.model, machine_hw))
+    plans = {"cpu": cpu_plan(p), "plan": split, "layers": layers_plan(p), "powerinfer": powerinfer_plan(p)}
+    runs = {k: (plan, evaluate(truth, plan).time) for k, plan in plans.items()}
+    assert evaluate(p, split).tokens_per_s > 1.5 / runs["plan"][1]  # the planner's defaults are far off here
+
+    fit = calibrate_hybrid(p, runs)
+    assert fit.cpu_bw_gbs == pytest.approx(0.7, rel=1e-6) and fit.sync_us == pytest.approx(400.0, rel=1e-6)
+    assert fit.fitted_on == ["cpu", "plan"]
+    assert all(abs(e) < 1e-6 for e in fit.errors().values()), fit.errors()
+    with pytest.raises(ValueError, match="no split layer"):
+        calibrate_hybrid(p, runs, split_run="cpu")
