@@ -5,9 +5,9 @@
 
 For each model and FFN mode, pi-run runs in a fresh process (a prompt, then --tokens tokens) and the process's peak
 resident set (getrusage of the child) is compared with the target file size + KV cache + 300 MB. The KV cache is
-pi-run's (float32 keys and values for -c positions). Load time is pi-run's own (mapping and metadata, no copy), read
-from --json; the first run after making a model also pays for reading it from disk, so each case runs twice and the
-second (warm page cache) is reported.
+pi-run's (f16 keys and values for -c positions, its default). Load time is pi-run's own (mapping and metadata, no
+copy), read from --json; the first run after making a model also pays for reading it from disk, so each case runs
+twice and the second (warm page cache) is reported.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def kv_bytes(shape: str, ctx: int) -> int:
     from synth.fast import SHAPES
 
     L, d, _, nh, nkv, _ = SHAPES[shape]
-    return L * 2 * nkv * ctx * (d // nh) * 4
+    return L * 2 * nkv * ctx * (d // nh) * 2  # f16, pi-run's default
 
 
 def run(model: Path, mode: str, threads: int, tokens: int, ctx: int) -> dict:

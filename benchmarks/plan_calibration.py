@@ -83,7 +83,7 @@ def features(path: Path, freq: list[np.ndarray] | None, ctx: int, threads: int) 
     ones = [np.ones(n) for n in mb.n_ff]
     act = Activations(ones, 1.0, "calibration")
     hw = Hardware(CPU("calibration", threads, 10.0, 1024.0), [])
-    p = build_problem(f, hw, ctx_size=ctx, activations=act, kv_type="f32")  # the runtime's cache is f32
+    p = build_problem(f, hw, ctx_size=ctx, activations=act)  # the runtime's cache is f16, as the planner counts
     s = calibration.sample(p, Plan.on_cpu(mb.n_layer), "", 0.0)
     if freq is not None:
         for b, fr in enumerate(freq):

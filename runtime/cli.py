@@ -91,6 +91,8 @@ PlacementOpt = Annotated[str, typer.Option("--placement", help="With a GPU: plan
                                            "powerinfer, cpu, gpu.")]
 VramBudget = Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM the model may use (default: "
                                                   "what is free, less 0.5 GiB).")]
+KvType = Annotated[str, typer.Option("--kv-type", help="KV cache type on the CPU: f16 (as llama.cpp's default: half "
+                                     "the memory and the bytes attention reads) or f32.")]
 
 
 @app.command()
@@ -121,6 +123,7 @@ def run(
     gpu: Gpu = "auto",
     placement: PlacementOpt = "plan",
     vram_budget: VramBudget = None,
+    kv_type: KvType = "f16",
     perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
                                                          "(windows of --ctx-size, default 512) instead of generating.")]
     = None,
@@ -135,7 +138,7 @@ def run(
             raise PinferError(f"-c/--ctx-size must be at least 1 token, got {ctx_size}")
         if perplexity_file is not None:
             return run_perplexity(model, perplexity_file, threads, ctx_size, ffn_act, mode, as_json,
-                                  dict(gpu=gpu, placement=placement, vram_budget=vram_budget))
+                                  dict(gpu=gpu, placement=placement, vram_budget=vram_budget, kv_type=kv_type))
         if file is not None:
             if not file.exists():
                 raise PinferError(f"{file}: no such prompt file")
@@ -150,7 +153,7 @@ def run(
 
         say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
-                       placement=placement, vram_budget=vram_budget, say=say)
+                       placement=placement, vram_budget=vram_budget, kv_type=kv_type, say=say)
         if not as_json:
             print_notices(m)
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,

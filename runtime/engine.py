@@ -215,12 +215,14 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 
 def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
                ffn_act: str | None = None, ffn_mode: str = "auto", progress=None, *, gpu: str = "none",
-               placement: str = "plan", vram_budget: float | None = None, say=lambda msg: None) -> Model:
+               placement: str = "plan", vram_budget: float | None = None, kv_type: str = "f16",
+               say=lambda msg: None) -> Model:
     """Open a GGUF/PWRI model and prepare it for generation. The weights stay in the file (memory-mapped, read in
     place by the C++ kernels): loading parses the header and makes views.
 
     threads: torch intra-op threads (default: all cores). ctx_size: KV cache length (default: the training context,
-    capped at 4096). ffn_act: override the FFN activation read from the file. ffn_mode: "dense", "sparse"
+    capped at 4096). kv_type: the KV cache's type on the CPU, "f16" (as llama.cpp's default) or "f32" (the GPU's is
+    f16). ffn_act: override the FFN activation read from the file. ffn_mode: "dense", "sparse"
     (predictors pick each token's neurons), "oracle" (exact masks), or "auto" (sparse when the file has predictors).
     gpu: "none", "auto" (a CUDA GPU when CuPy finds one), "cuda" (insist) or "reference" (the CPU stand-in); with a
     GPU, `placement` (plan | layers | powerinfer | cpu | gpu) and `vram_budget` (GiB) decide what runs there, see
@@ -243,14 +245,14 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     if ffn_mode == "auto":
         ffn_mode = "sparse" if cfg.has_predictors else "dense"
     with torch.inference_mode():
-        tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress)
+        tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress, kv_type)
     m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices)
-    _use_gpu(m, gpu, placement, vram_budget, say)
+    _use_gpu(m, gpu, placement, vram_budget, kv_type, say)
     m.stats.load_s = time.perf_counter() - t0
     return m
 
 
-def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, say) -> None:
+def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, kv_type: str, say) -> None:
     """Find the GPU, choose the placement, move its parts there (runtime/hybrid.py)."""
     from . import devices, hybrid
     from . import placement as pl
@@ -263,7 +265,7 @@ def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, say)
             m.notices.append(f"the model has a GPU plan, but no GPU can be used ({why}): running on the CPU")
         return
     place = pl.choose(m.file, info, placement=placement, vram_budget_gib=vram_budget, ctx=m.ctx_size,
-                      threads=m.threads, say=say)
+                      threads=m.threads, kv_type=kv_type, say=say)
     m.vram_bytes = hybrid.device_bytes(m.transformer, place, m.ctx_size)
     m.split = hybrid.apply(m, place, dev, budget=pl.budget_bytes(info, vram_budget))
     m.placement, m.gpu = place, info.name

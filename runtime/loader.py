@@ -230,11 +230,17 @@ def _report(tr: Transformer, load: Load) -> None:
                             f"`pi-profile MODEL --store-down-t` stores it in the file once")
 
 
+KV_TYPES = {"f16": torch.float16, "f32": torch.float32}
+
+
 def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mode: str = "dense",
-                     progress=None) -> tuple[Transformer, Load]:
-    """ffn_mode: "dense"; "sparse" (predictors decide each token's neurons); "oracle" (exact masks)."""
+                     progress=None, kv_type: str = "f16") -> tuple[Transformer, Load]:
+    """ffn_mode: "dense"; "sparse" (predictors decide each token's neurons); "oracle" (exact masks).
+    kv_type: the KV cache's type, "f16" (llama.cpp's default) or "f32"."""
     if ffn_mode not in FFN_MODES:
         raise PinferError(f"unknown FFN mode '{ffn_mode}' (choose {', '.join(FFN_MODES)})")
+    if kv_type not in KV_TYPES:
+        raise PinferError(f"unknown --kv-type '{kv_type}' (one of {', '.join(KV_TYPES)})")
     check_shapes(f, cfg)
     masks = maskers(f, cfg, ffn_mode) if ffn_mode != "dense" else [None] * cfg.n_layer
     load = Load()
@@ -246,6 +252,6 @@ def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mod
     out_name = C.TOKEN_EMBD if cfg.tied_embeddings else C.OUTPUT
     pos = Embedding(qweight(f, C.POS_EMBD)) if cfg.arch == "opt" else None
     tr = Transformer(cfg, blocks, Embedding(qweight(f, C.TOKEN_EMBD)), norm(f, cfg, C.OUTPUT_NORM, C.OUTPUT_NORM_B),
-                     Linear([matrix(f, out_name, load)]), max_ctx, pos)
+                     Linear([matrix(f, out_name, load)]), max_ctx, pos, KV_TYPES[kv_type])
     _report(tr, load)
     return tr, load

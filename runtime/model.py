@@ -9,9 +9,11 @@ Norms are RMSNorm (llama, bamboo) or LayerNorm with bias (falcon, opt). OPT adds
 to the token embeddings and has biases on every projection; the FFN's down bias is added here, after the FFN block
 (dense, sparse or split between GPU and CPU), since it does not belong to any neuron.
 
-The KV cache is allocated once and written by index. Prefill runs T tokens at once; decode runs one token through
-the same code with T=1. Weights come from runtime/loader.py as the file stores them, grouped (Q, K and V in one
-Linear, gate and up in one) so that a decode step dispatches few ops. Activations and the residual stream are float32.
+The KV cache is allocated once and written by index, in f16 by default as llama.cpp's (keys and values rounded
+once when written: half the memory, and half the bytes decode attention reads) or f32. Prefill runs T tokens at
+once; decode runs one token through the same code with T=1. Weights come from runtime/loader.py as the file stores
+them, grouped (Q, K and V in one Linear, gate and up in one) so that a decode step dispatches few ops. Activations
+and the residual stream are float32.
 
 RoPE, in the GGUF layouts: llama.cpp's llama converter permutes Q/K rows so that rotary pairs are adjacent elements
 (2i, 2i+1) of each head, not HF's half-split (i, i + head_dim/2); its falcon converter keeps HF's rows, so Falcon
@@ -101,7 +103,8 @@ class KVCache:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, blocks: list[BlockWeights], tok_embd: Embedding, output_norm: Norm,
-                 output: Linear, max_ctx: int, pos_embd: Embedding | None = None):
+                 output: Linear, max_ctx: int, pos_embd: Embedding | None = None,
+                 kv_dtype: torch.dtype = torch.float16):
         self.cfg, self.blocks, self.tok_embd = cfg, blocks, tok_embd
         self.output_norm, self.output = output_norm, output
         self.pos_embd = pos_embd  # opt: learned positions, row p + OPT_POS_OFFSET for position p
@@ -109,7 +112,7 @@ class Transformer:
             raise PinferError(f"the model has learned positions for {pos_embd.w.rows - C.OPT_POS_OFFSET} tokens, "
                               f"fewer than the context of {max_ctx}; pass a smaller --ctx-size")
         self.freqs = rope_table(cfg, max_ctx)
-        self.cache = KVCache(cfg, max_ctx)
+        self.cache = KVCache(cfg, max_ctx, kv_dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.norm_shape = (cfg.n_embd,)
         # norms and decode attention are one C++ call each (runtime/csrc) when the kernels are built
@@ -181,6 +184,8 @@ class Transformer:
         self.cache.k[li][:, pos:end] = qk[:, H:].transpose(0, 1)
         self.cache.v[li][:, pos:end] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1)
         keys, values = self.cache.k[li][:, :end], self.cache.v[li][:, :end]  # (Hkv, end, D)
+        if keys.dtype != torch.float32:  # an f16 cache: attention in f32 over the rounded keys and values
+            keys, values = keys.float(), values.float()
         group = H // Hkv
         q = qk[:, :H].to(keys.dtype)
         if T == 1:

@@ -156,8 +156,9 @@ def _stored(f: GGUFFile, gpu: GPUInfo, budget: int, say) -> Placement | None:
                      bool(p.output), f"the plan in {Path(f.path).name}", float(tps) if tps is not None else None)
 
 
-def problem_for(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say):
-    """The planner's problem for this model on `gpu` with `budget` bytes, the CPU side on `threads` threads."""
+def problem_for(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say, kv_type: str = "f16"):
+    """The planner's problem for this model on `gpu` with `budget` bytes, the CPU side on `threads` threads, the KV
+    cache in `kv_type` (the host's; counted the same on the GPU, whose cache is f16, so f32 over-counts there)."""
     from planner.activations import Activations
     from planner.machine import resolve_hardware
     from planner.problem import build_problem
@@ -172,10 +173,11 @@ def problem_for(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, 
 
         n_ff = account(f, ctx).n_ff
         acts = Activations([np.ones(n) for n in n_ff], 1.0, "none")
-    return build_problem(f, hw, ctx_size=ctx, activations=acts)
+    return build_problem(f, hw, ctx_size=ctx, activations=acts, kv_type=kv_type)
 
 
-def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name: str, say) -> Placement:
+def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name: str, say,
+            kv_type: str = "f16") -> Placement:
     """A placement made now by the planner (the ILP for "plan", else the named baseline), cached by model, GPU,
     budget and context."""
     from planner.baselines import all_baselines
@@ -183,8 +185,9 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name
     from planner.planfile import fingerprint
 
     fp = fingerprint(f)
-    cache = plan_cache_path(fp, gpu.table_name or gpu.name, budget, ctx, f"{name}-t{threads}")
-    p = problem_for(f, gpu, budget, ctx, threads, say)
+    kv = "" if kv_type == "f16" else f"-kv{kv_type}"
+    cache = plan_cache_path(fp, gpu.table_name or gpu.name, budget, ctx, f"{name}-t{threads}{kv}")
+    p = problem_for(f, gpu, budget, ctx, threads, say, kv_type)
     if cache.exists():
         try:
             data = json.loads(cache.read_text())
@@ -219,7 +222,8 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name
     return out
 
 
-def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say) -> Placement | None:
+def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say,
+             kv_type: str = "f16") -> Placement | None:
     """PowerInfer's <model>.generated.gpuidx: its FFN placement, with the dense parts PowerInfer's way."""
     from formats.gpuidx import gpuidx_path, read_gpuidx
     from planner.baselines import powerinfer_plan
@@ -239,7 +243,7 @@ def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say
         say(f"{path.name} was made for {idx.vram_capacity / GIB:.2f} GiB of VRAM, {budget / GIB:.2f} GiB are "
             f"available: planning again")
         return None
-    p = problem_for(f, gpu, budget, ctx, threads, say)
+    p = problem_for(f, gpu, budget, ctx, threads, say, kv_type)
     dense = powerinfer_plan(p)
     zeros = np.zeros(n_layer, np.int64)
     n_gpu = np.array([len(b) for b in idx.gpu_bucket])
@@ -254,7 +258,7 @@ def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say
 
 
 def choose(f: GGUFFile, gpu: GPUInfo, *, placement: str = "plan", vram_budget_gib: float | None = None,
-           ctx: int, threads: int, say=lambda msg: None) -> Placement:
+           ctx: int, threads: int, kv_type: str = "f16", say=lambda msg: None) -> Placement:
     """The placement pi-run executes on `gpu` (see the module docstring for the order of sources)."""
     if placement not in PLACEMENTS:
         raise PinferError(f"unknown --placement '{placement}' (one of {', '.join(PLACEMENTS)})")
@@ -262,7 +266,7 @@ def choose(f: GGUFFile, gpu: GPUInfo, *, placement: str = "plan", vram_budget_gi
     if placement == "cpu":
         return Placement.cpu(int(f.arch_get(C.BLOCK_COUNT)), "--placement cpu")
     if placement == "plan":
-        got = _stored(f, gpu, budget, say) or _sidecar(f, gpu, budget, ctx, threads, say)
+        got = _stored(f, gpu, budget, say) or _sidecar(f, gpu, budget, ctx, threads, say, kv_type)
         if got is not None:
             return got
-    return planned(f, gpu, budget, ctx, threads, placement, say)
+    return planned(f, gpu, budget, ctx, threads, placement, say, kv_type)

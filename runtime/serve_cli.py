@@ -15,7 +15,7 @@ import typer
 
 from formats.errors import PinferError, report
 
-from .cli import Dense, FfnAct, Gpu, OracleMasks, PlacementOpt, Sparse, VramBudget, ffn_mode
+from .cli import Dense, FfnAct, Gpu, KvType, OracleMasks, PlacementOpt, Sparse, VramBudget, ffn_mode
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,6 +41,7 @@ def serve(
     gpu: Gpu = "auto",
     placement: PlacementOpt = "plan",
     vram_budget: VramBudget = None,
+    kv_type: KvType = "f16",
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
 ) -> None:
     """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
@@ -56,7 +57,7 @@ def serve(
         from .server import create_app
 
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
-                       placement=placement, vram_budget=vram_budget,
+                       placement=placement, vram_budget=vram_budget, kv_type=kv_type,
                        say=lambda msg: print(f"pi-serve: {msg}", file=sys.stderr, flush=True))
         app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads)
         run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key))

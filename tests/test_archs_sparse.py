@@ -43,7 +43,7 @@ def test_planted_model_equals_its_golden_forward(planted, arch, kernels):
     ref, active = synth.reference_forward(f, ids, collect_activity=True)
     assert 0.05 < float(active.float().mean()) < 0.2  # planted ~10% activity
     for mode in ("dense", "oracle"):
-        m = load_model(path, threads=2, ffn_mode=mode)
+        m = load_model(path, threads=2, ffn_mode=mode, kv_type="f32")
         assert np.abs(m.forward_logits(ids) - ref).max() < 1e-4 * np.abs(ref).max()
 
 
@@ -87,7 +87,7 @@ def test_profile_counts_and_samples_equal_hf(tmp_path, arch):
     else:
         hf = H.make_opt()
         path = H.write(tmp_path / "m.gguf", H.opt_metadata(hf), H.opt_tensors(hf))
-    m = load_model(path, threads=2)
+    m = load_model(path, threads=2, kv_type="f32")
     rng = np.random.default_rng(3)
     windows = [[int(i) for i in rng.integers(0, H.VOCAB, n)] for n in (30, 17)]
     prof = profile(m, windows, activation_rule(m.cfg), sample_tokens=47)
@@ -192,10 +192,10 @@ def test_hybrid_equals_cpu(tmp_path, arch, mode):
                    powerinfer=True)
     pred = {"sparse-pred-cpu": False, "sparse-pred-gpu": True}.get(mode)
     mode = mode.split("-")[0]
-    cpu = load_model(path, ffn_mode=mode)
+    cpu = load_model(path, ffn_mode=mode, kv_type="f32")
     ids = [int(t) for t in np.random.default_rng(7).integers(3, H.VOCAB, 12)]
     for seed in (1, 2):
-        hyb = load_model(path, ffn_mode=mode)
+        hyb = load_model(path, ffn_mode=mode, kv_type="f32")
         hybrid.apply(hyb, random_placement(cpu.cfg, seed, pred=pred), ReferenceDevice())
         for decode_from in (None, 4):
             want, got = logits(cpu, ids, decode_from), logits(hyb, ids, decode_from)

@@ -108,6 +108,7 @@ def test_json_output(tmp_path):
     (["--repeat-last-n", "-1"], ["--repeat-last-n", ">= 0"]),
     (["--temp", "inf"], ["--temp", "finite"]),
     (["--seed", str(1 << 64)], ["--seed", "2^64"]),
+    (["--kv-type", "q4_0"], ["--kv-type", "q4_0", "f16, f32"]),
 ])
 def test_option_out_of_range(tmp_path, args, needles):
     write_tiny(tmp_path / "m.gguf")

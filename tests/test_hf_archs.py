@@ -37,7 +37,7 @@ def check_against_hf(m, hf, n: int = 40, seed: int = 1):
 def test_falcon_matches_transformers(tmp_path, case, kernels):
     hf = H.make_falcon(case)
     path = H.write(tmp_path / "f.gguf", H.falcon_metadata(hf), H.falcon_tensors(hf))
-    m = load_model(path, threads=2)
+    m = load_model(path, threads=2, kv_type="f32")
     c = H.FALCON_CASES[case]
     assert m.cfg.arch == "falcon" and m.cfg.ffn_act == c["act"] and m.cfg.n_head_kv == H.falcon_kv_heads(hf.config)
     assert m.cfg.tied_embeddings == c["tied"] and m.transformer.fused == (kernels == "kernels")
@@ -49,7 +49,7 @@ def test_falcon_matches_transformers(tmp_path, case, kernels):
 def test_opt_matches_transformers(tmp_path, kernels):
     hf = H.make_opt()
     path = H.write(tmp_path / "o.gguf", H.opt_metadata(hf), H.opt_tensors(hf))
-    m = load_model(path, threads=2)
+    m = load_model(path, threads=2, kv_type="f32")
     assert m.cfg.arch == "opt" and m.cfg.ffn_act == "relu" and m.cfg.tied_embeddings
     assert m.cfg.n_ctx_train == hf.config.max_position_embeddings
     check_against_hf(m, hf)
@@ -71,7 +71,7 @@ def test_powerinfer_files_match_transformers(tmp_path, arch, mode, kernels):
     if arch == "opt":
         assert C.tensor(C.FFN_DOWN_T_B, 0) in w
     path = H.write(tmp_path / "p.gguf", meta, w, powerinfer=True)
-    m = load_model(path, threads=2, ffn_mode=mode)
+    m = load_model(path, threads=2, ffn_mode=mode, kv_type="f32")
     assert m.file.is_powerinfer and m.cfg.down_transposed and m.cfg.has_predictors and m.cfg.ffn_act == "relu"
     check_against_hf(m, hf)
 
@@ -80,7 +80,7 @@ def test_powerinfer_sparse_mode_runs_the_predictors(tmp_path, kernels):
     hf = H.make_opt()
     h = hf.config
     w = H.to_powerinfer(H.opt_tensors(hf), h.num_hidden_layers, h.hidden_size, h.ffn_dim)
-    m = load_model(H.write(tmp_path / "p.gguf", H.opt_metadata(hf, True), w, powerinfer=True), threads=2)
+    m = load_model(H.write(tmp_path / "p.gguf", H.opt_metadata(hf, True), w, powerinfer=True), threads=2, kv_type="f32")
     assert m.ffn_mode == "sparse"
     out = list(m.generate([1, 2, 3], max_tokens=4, temperature=0.0))
     assert len(out) == 4 and 0 < min(m.sparsity()) and max(m.sparsity()) < 1
@@ -165,7 +165,7 @@ def test_byte_level_bpe_matches_hf(tmp_path, pre):
     assert n_vocab > 300  # merges were learned
     w = H.opt_tensors(hf)
     w[C.TOKEN_EMBD] = np.resize(w[C.TOKEN_EMBD], (n_vocab, hf.config.hidden_size))
-    m = load_model(H.write(tmp_path / "t.gguf", H.opt_metadata(hf), w, tokenizer=meta), threads=2)
+    m = load_model(H.write(tmp_path / "t.gguf", H.opt_metadata(hf), w, tokenizer=meta), threads=2, kv_type="f32")
     for text in TRICKY:
         want = hf_tok.encode(text, add_special_tokens=False)
         assert m.tokenizer.encode(text, add_special=False) == want, text

@@ -58,7 +58,7 @@ def test_ffn_variants_match_reference(tmp_path, act, arch):
     cfg = tiny_config(ffn_act=act, arch=arch, n_layer=2, n_embd=32, n_ff=64, n_head=4, n_head_kv=2, vocab_size=300)
     w = random_weights(cfg, seed=3, scale=0.2)
     write_llama(tmp_path / "m.gguf", cfg, w)
-    m = load_model(tmp_path / "m.gguf", threads=2)
+    m = load_model(tmp_path / "m.gguf", threads=2, kv_type="f32")
     assert m.cfg.ffn_act == act
     ids = [5, 17, 250, 3, 99, 42, 7]
     ours, ref = m.forward_logits(ids), reference_forward(cfg, w, ids)

@@ -54,7 +54,8 @@ def check_same_as_fresh(m, ids, expect_reused, n=8, atol=1e-4):
     ref, ref_keys = fresh(m, ids, n)
     assert out == ref
     assert cached == m.cached_ids == ids + ref  # max_tokens ran out: the consumer's last next() forwarded the last
-    torch.testing.assert_close(keys, ref_keys, atol=atol, rtol=atol)
+    # the cache is f16: the two prefills' f32 keys may differ by rounding, which can move an f16 key by one ulp
+    torch.testing.assert_close(keys, ref_keys, atol=atol, rtol=2.0 ** -10 if keys.dtype == torch.float16 else atol)
 
 
 def test_off_by_default(model):

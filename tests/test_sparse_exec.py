@@ -59,11 +59,11 @@ def test_oracle_kernel_path_counts_like_the_masks(planted, monkeypatch):
     real = ffn_sparse.ffn_exact
     monkeypatch.setattr(ffn_sparse, "ffn_exact", lambda *a: calls.append(1) or real(*a))
     ids = list(np.random.default_rng(3).integers(3, 250, 20))
-    fast = load_model(planted, ffn_mode="oracle")
+    fast = load_model(planted, ffn_mode="oracle", kv_type="f32")
     got = decode_logits(fast, ids, 2)
     assert len(calls) >= len(ids) - 2  # every decode step (and the 2-token prefill) took the kernel path
     monkeypatch.setattr(S, "KERNEL_MAX_T", 0)
-    slow = load_model(planted, ffn_mode="oracle")
+    slow = load_model(planted, ffn_mode="oracle", kv_type="f32")
     want = decode_logits(slow, ids, 2)
     assert np.abs(got - want).max() < 1e-4
     for a, b in zip(fast.transformer.blocks, slow.transformer.blocks, strict=True):
