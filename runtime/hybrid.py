@@ -33,6 +33,7 @@ stand-in the tests use.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -106,42 +107,44 @@ class Link:
         self.bus, self.dev, self.cap, self.used = bus, bus.dev, 0, 0
         self.host: dict[str, torch.Tensor] = {}
         self.event = None
+        self._parts: dict | None = None  # the last layout, whose views are reused while it repeats (each decode step)
 
     def layout(self, **parts) -> dict:
         """parts: name=(shape, dtype). Returns the device views by name."""
+        if parts == self._parts:
+            return self._views
         offs, n = {}, 0
         for name, (shape, dtype) in parts.items():
             offs[name] = n
-            n += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
-        self.host = {}
-        if n > self.cap:  # (a copy may still read the old buffers: let it finish first)
+            n += -(-math.prod(shape) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+        if n > self.cap or not self.cap:  # (a copy may still read the old buffers: let it finish first)
             self.bus.stream.synchronize()
-            self.cap = max(n, 2 * self.cap)
+            self.cap = max(n, 2 * self.cap, ALIGN)
             self.d = self.dev.empty((self.cap,), np.uint8)
             self.h = self.dev.pinned((self.cap,), np.uint8)
         self.used = n
-        views = {}
+        self._whole = self.dev.view(self.d, 0, (n,), np.uint8), self.h[:n]
+        self._views, self.host = {}, {}
         for name, (shape, dtype) in parts.items():
-            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            views[name] = self.dev.view(self.d, offs[name], shape, dtype)
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            self._views[name] = self.dev.view(self.d, offs[name], shape, dtype)
             self.host[name] = torch.from_numpy(self.h[offs[name]:offs[name] + nbytes].view(dtype).reshape(shape))
-        return views
+        self._parts = parts
+        return self._views
 
     def put(self, **tensors: torch.Tensor) -> dict:
         """Copy host tensors to the device in one copy; returns their device views."""
         with _Span(self.bus.split, "transfer_s"):
-            views = self.layout(**{k: (tuple(t.shape), _np_dtype(t)) for k, t in tensors.items()})
+            views = self.layout(**{k: (tuple(t.shape), _NP[t.dtype]) for k, t in tensors.items()})
             for k, t in tensors.items():
                 self.host[k].copy_(t)
-            self.dev.to_device_async(self.h[:self.used], self.dev.view(self.d, 0, (self.used,), np.uint8),
-                                     self.bus.stream)
+            self.dev.to_device_async(self._whole[1], self._whole[0], self.bus.stream)
         return views
 
     def fetch(self) -> None:
         """Queue the copy of every part to the host, after the work queued so far."""
         with _Span(self.bus.split, "transfer_s"):
-            self.dev.to_host_async(self.dev.view(self.d, 0, (self.used,), np.uint8), self.h[:self.used],
-                                   self.bus.stream)
+            self.dev.to_host_async(*self._whole, self.bus.stream)
             self.event = self.bus.stream.record()
 
     def wait(self) -> dict[str, torch.Tensor]:
@@ -150,8 +153,7 @@ class Link:
         return self.host
 
 
-def _np_dtype(t: torch.Tensor):
-    return {torch.float32: np.float32, torch.int32: np.int32, torch.uint8: np.uint8}[t.dtype]
+_NP = {torch.float32: np.float32, torch.int32: np.int32, torch.uint8: np.uint8}
 
 
 def _host(a) -> np.ndarray:
