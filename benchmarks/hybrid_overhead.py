@@ -1,0 +1,103 @@
+"""The hybrid executor's own host cost per layer: runtime/hybrid.py over a device that computes nothing.
+
+    python benchmarks/hybrid_overhead.py            # 40 layers, attention + predictor + half the neurons on the "GPU"
+    python benchmarks/hybrid_overhead.py --layers 80 --steps 300 --json
+
+On a real GPU every device call costs host time of its own (a CuPy launch, ~5-10 us); this measures what pinfer's
+Python adds around them: staging buffers, views, events, the CPU's share of the FFN (tiny here: a 64-wide model with
+192 neurons, half of them the CPU's), per decode step of a split layer. The device is runtime.gpu.ReferenceDevice
+with its compute replaced by returning buffers of the right shape, so the figure is the orchestration alone, on one
+thread. The CPU-only forward of the same model is printed beside it for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from formats import constants as C  # noqa: E402
+from formats.model_writer import write_llama  # noqa: E402
+from runtime import hybrid, load_model  # noqa: E402
+from runtime.gpu import ReferenceDevice  # noqa: E402
+from runtime.placement import Placement  # noqa: E402
+from tests.tiny import random_weights, tiny_config, to_powerinfer_layout  # noqa: E402
+
+
+class NullDevice(ReferenceDevice):
+    """The reference device's memory and copies, no compute: each op returns a buffer of its result's shape."""
+
+    def matmul(self, w, x, *, bias=None, out=None, accumulate=False, relu=False):
+        return out if out is not None else self.empty((x.shape[0], w.rows))
+
+    def attention(self, q, k, v, cache_k, cache_v, pos, **kw):
+        return self.empty(q.shape)
+
+    def ffn(self, ffn, x, *, scores=None, threshold=0.0, cats=None, out=None):
+        return out if out is not None else self.zeros((x.shape[0], ffn.d))
+
+    def predict(self, pred, x, *, threshold=0.0, skip=None, ids=False, found=None):
+        scores = self.zeros((x.shape[0], pred.n_ff))
+        if not ids:
+            return scores
+        found = self.zeros((1 + pred.n_ff,), np.int32) if found is None else found
+        found[0] = 3  # three active CPU neurons
+        found[1:4] = torch.tensor([1, 5, 9], dtype=torch.int32)
+        return scores, found
+
+    def rms_norm(self, x, w, eps, out=None):
+        return out if out is not None else self.empty(tuple(x.shape))
+
+    def add(self, a, b, out=None):
+        return out if out is not None else self.empty(tuple(a.shape))
+
+
+def per_layer_us(m, steps: int, n_layer: int) -> float:
+    tr = m.transformer
+    with torch.inference_mode():
+        tr.forward(torch.tensor([5, 6, 7]), 0)
+        tr.forward(torch.tensor([8]), 3)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            tr.forward(torch.tensor([8]), 4 + i % 32)
+        return (time.perf_counter() - t0) / steps / n_layer * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    L = args.layers
+    cfg = tiny_config(ffn_act="relu", n_layer=L, n_ff=192)
+    w = to_powerinfer_layout(cfg, random_weights(cfg, seed=3, scale=0.15))
+    counts = {C.tensor(C.ACT_COUNTS, i): np.linspace(100, 1, cfg.n_ff).astype(np.float32) for i in range(L)}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "m.gguf"
+        write_llama(path, cfg, w | counts, powerinfer=True, extra_metadata={C.ACT_TOKENS: np.uint64(100)})
+        cpu = per_layer_us(load_model(path, ffn_mode="sparse", threads=1), args.steps, L)
+        m = load_model(path, ffn_mode="sparse", threads=1)
+        half = [np.arange(0, cfg.n_ff, 2, dtype=np.int64)] * L
+        hybrid.apply(m, Placement("split", np.ones(L, bool), np.ones(L, bool), half, True, "benchmark"), NullDevice())
+        hyb = per_layer_us(m, args.steps, L)
+    res = {"layers": L, "hybrid_us_per_layer": round(hyb, 1), "cpu_path_us_per_layer": round(cpu, 1),
+           "hybrid_ms_per_token": round(hyb * L / 1e3, 2)}
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"hybrid host cost {hyb:.1f} us per split layer ({hyb * L / 1e3:.2f} ms per token of {L} layers), "
+              f"device compute excluded; the CPU path's whole layer of this tiny model: {cpu:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
