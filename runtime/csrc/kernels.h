@@ -51,6 +51,12 @@ void row_to_f32(int type, const uint8_t* row, int64_t n, float* out);
 void device_layout(const uint8_t* in, int64_t n, int64_t row_bytes, int ty, int64_t cols, const int32_t* q0,
                    const int32_t* q1, const int32_t* so, uint8_t* out, int64_t stride);
 
+// --- requant.cpp -----------------------------------------------------------------------------------------------------
+// Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13), Q6_K (14): rows re-encoded as ggml's Q8_0, out [n, cols / 32 * 34]
+bool requant_type_known(int ty);
+int64_t requant_row_bytes(int ty, int64_t cols);  // -1 for other types
+void requant_q8_0(const uint8_t* in, int64_t n, int64_t in_stride, int ty, int64_t cols, uint8_t* out);
+
 // --- matmul.cpp ------------------------------------------------------------------------------------------------------
 // y [T, sum of rows] = x [T, K] . W_i^T for each matrix, outputs side by side. T < gemm_min_t: streaming GEMV tiles on
 // the stored bytes (q8 activations for block types); otherwise tiles of rows dequantised to fp32 and torch's GEMM.

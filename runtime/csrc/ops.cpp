@@ -47,6 +47,9 @@
 // device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor
 //     uint8 [n, stride]: file rows uint8 [n, row_bytes] in the GPU kernels' layout (device_layout.cpp), with the
 //     int32 tile tables of runtime/gpu/layout.py (q0: 1024 entries, 512 for Q4; q1: Q4 only; so: block types).
+// requant_q8_0(Tensor rows, int type, int cols) -> Tensor
+//     uint8 [n, cols / 32 * 34]: rows [n, row_bytes] (row stride any) of Q5_0, Q5_1, Q4_K, Q5_K or Q6_K re-encoded as
+//     ggml's Q8_0 (requant.cpp), the bytes gguf.quants' dequantise + Q8_0 quantise give.
 // isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
 // gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
 #include <ATen/core/Tensor.h>
@@ -320,6 +323,20 @@ at::Tensor device_layout_op(const at::Tensor& rows, int64_t type, int64_t cols, 
   return out;
 }
 
+at::Tensor requant_q8_0_op(const at::Tensor& rows, int64_t type, int64_t cols) {
+  TORCH_CHECK(requant_type_known((int)type), "requant_q8_0: unsupported type ", type,
+              " (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)");
+  const int64_t rb = requant_row_bytes((int)type, cols);
+  TORCH_CHECK(cols > 0 && cols % (type == 6 || type == 7 ? 32 : 256) == 0,
+              "requant_q8_0: cols must be a positive multiple of the type's block");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.size(1) == rb &&
+                  rows.stride(1) == 1,
+              "rows: uint8 [n, ", rb, "], each row contiguous");
+  at::Tensor out = at::empty({rows.size(0), cols / 32 * 34}, at::TensorOptions().dtype(at::kByte));
+  requant_q8_0(rows.data_ptr<uint8_t>(), rows.size(0), rows.stride(0), (int)type, cols, out.data_ptr<uint8_t>());
+  return out;
+}
+
 std::string isa_op() { return isa_name(); }
 int64_t gemm_min_t_op() { return GEMM_MIN_T; }
 
@@ -347,6 +364,7 @@ TORCH_LIBRARY(PINFER_NS, m) {
         &attend_decode_op);
   m.def("device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor",
         &device_layout_op);
+  m.def("requant_q8_0(Tensor rows, int type, int cols) -> Tensor", &requant_q8_0_op);
   m.def("isa() -> str", &isa_op);
   m.def("gemm_min_t() -> int", &gemm_min_t_op);
 }

@@ -1,0 +1,171 @@
+// Types the kernels do not read (Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K of llama.cpp's Q4_K_M / Q5_K_M /
+// Q6_K files) re-encoded once, at load, as ggml's Q8_0, which they do (runtime/weights.py as_q8_0). Per row: decode
+// to floats exactly as ggml's reference dequantisers do (same operations in the same order, so the same floats), then
+// ggml's quantize_row_q8_0_ref: per block of 32, d = max|x| / 127, stored as f16, q = roundf(x * (1 / d)). The
+// numpy path it replaces (gguf.quants, ~60 M weights/s: ~2 minutes for a 7B Q4_K_M) stays as the reference the
+// tests compare with byte for byte.
+//
+// Encodings (ggml-common.h; QK_K = 256 values per super-block, f16 scales little-endian):
+//   Q5_0  22 bytes {f16 d; u8 qh[4]; u8 qs[16]}         v = d * (q - 16), q = nibble | high bit << 4
+//   Q5_1  24 bytes {f16 d; f16 m; u8 qh[4]; u8 qs[16]}  v = d * q + m
+//         nibble of value j < 16: qs[j] & 15, of value j + 16: qs[j] >> 4; high bit of value j: bit j of qh
+//   Q4_K  144 bytes {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}          8 sub-blocks of 32, 6-bit scale and min
+//   Q5_K  176 bytes {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}
+//   Q6_K  210 bytes {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}         16 sub-blocks of 16
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace pinfer {
+
+namespace {
+
+constexpr int Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4)
+inline void scale_min(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {
+  if (j < 4) {
+    d = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void q5_row(const uint8_t* b, int64_t nb, bool with_min, float* y) {
+  const int64_t BB = with_min ? 24 : 22;
+  for (int64_t i = 0; i < nb; ++i, b += BB, y += 32) {
+    const float d = f16_to_f32(rd_u16(b)), m = with_min ? f16_to_f32(rd_u16(b + 2)) : 0.0f;
+    const uint8_t* qhp = b + (with_min ? 4 : 2);
+    const uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 | (uint32_t)qhp[3] << 24;
+    const uint8_t* qs = qhp + 4;
+    for (int j = 0; j < 16; ++j) {
+      const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+      const int x0 = (qs[j] & 0xF) | h0, x1 = (qs[j] >> 4) | h1;
+      if (with_min) {
+        y[j] = x0 * d + m;
+        y[j + 16] = x1 * d + m;
+      } else {
+        y[j] = (x0 - 16) * d;
+        y[j + 16] = (x1 - 16) * d;
+      }
+    }
+  }
+}
+
+void q45k_row(const uint8_t* b, int64_t nb, bool five, float* y) {
+  const int64_t BB = five ? 176 : 144;
+  for (int64_t i = 0; i < nb; ++i, b += BB) {
+    const float d = f16_to_f32(rd_u16(b)), dmin = f16_to_f32(rd_u16(b + 2));
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* q = b + (five ? 48 : 16);
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+      uint8_t sc, m;
+      scale_min(is, scales, sc, m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min(is + 1, scales, sc, m);
+      const float d2 = d * sc, m2 = dmin * m;
+      for (int l = 0; l < 32; ++l) *y++ = d1 * ((q[l] & 0xF) + (five && (qh[l] & u1) ? 16 : 0)) - m1;
+      for (int l = 0; l < 32; ++l) *y++ = d2 * ((q[l] >> 4) + (five && (qh[l] & u2) ? 16 : 0)) - m2;
+      u1 <<= 2;
+      u2 <<= 2;
+    }
+  }
+}
+
+void q6k_row(const uint8_t* b, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, b += 210) {
+    const float d = f16_to_f32(rd_u16(b + 208));
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int n = 0; n < 256; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+      for (int is = 0; is < 2; ++is) {  // sub-blocks of 16 values: one scale each over l in [16 is, 16 is + 16)
+        const float s1 = d * sc[is + 0], s2 = d * sc[is + 2], s3 = d * sc[is + 4], s4 = d * sc[is + 6];
+        for (int l = 16 * is; l < 16 * is + 16; ++l) {
+          y[l] = s1 * (float)((int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+          y[l + 32] = s2 * (float)((int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+          y[l + 64] = s3 * (float)((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+          y[l + 96] = s4 * (float)((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+      }
+    }
+  }
+}
+
+// ggml's quantize_row_q8_0_ref: per block of 32, d = max|x| / 127 (stored as f16), q = roundf(x * (1 / d)). The AVX2
+// path gives the same bytes: max is exact in any order, and roundf (halves away from zero) is trunc(v) plus sign(v)
+// where |v - trunc(v)| >= 0.5, a difference computed exactly (v + 0.5 then trunc would round 0.49999997 up).
+void to_q8_0(const float* x, int64_t cols, uint8_t* o) {
+  for (int64_t b = 0; b < cols / 32; ++b, x += 32, o += 34) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int k = 8; k < 32; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+#endif
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const uint16_t h = f32_to_f16(d);
+    std::memcpy(o, &h, 2);
+#if defined(__AVX2__)
+    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), vid);
+      const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
+      q[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, v)))));
+    }
+    // packs work within 128-bit lanes: the 4-byte groups come out as 0, 2, 4, 6, 1, 3, 5, 7
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int j = 0; j < 32; ++j) o[2 + j] = (uint8_t)(int8_t)std::roundf(x[j] * id);
+#endif
+  }
+}
+
+}  // namespace
+
+bool requant_type_known(int ty) { return ty == Q5_0 || ty == Q5_1 || ty == Q4_K || ty == Q5_K || ty == Q6_K; }
+
+int64_t requant_row_bytes(int ty, int64_t cols) {
+  switch (ty) {
+    case Q5_0: return cols / 32 * 22;
+    case Q5_1: return cols / 32 * 24;
+    case Q4_K: return cols / 256 * 144;
+    case Q5_K: return cols / 256 * 176;
+    case Q6_K: return cols / 256 * 210;
+    default: return -1;
+  }
+}
+
+void requant_q8_0(const uint8_t* in, int64_t n, int64_t in_stride, int ty, int64_t cols, uint8_t* out) {
+  const int64_t ob = cols / 32 * 34;
+  parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / cols), [&](int64_t b, int64_t e) {
+    std::vector<float> y(cols);
+    for (int64_t r = b; r < e; ++r) {
+      const uint8_t* src = in + r * in_stride;
+      if (ty == Q5_0 || ty == Q5_1)
+        q5_row(src, cols / 32, ty == Q5_1, y.data());
+      else if (ty == Q6_K)
+        q6k_row(src, cols / 256, y.data());
+      else
+        q45k_row(src, cols / 256, ty == Q5_K, y.data());
+      to_q8_0(y.data(), cols, out + r * ob);
+    }
+  });
+}
+
+}  // namespace pinfer
