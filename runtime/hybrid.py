@@ -51,7 +51,6 @@ from .predictor import as_float
 from .sparse_ops import FFNRows, ffn_exact, ffn_masked, ffn_sparse
 from .weights import QWeight
 
-DEVICE_T = 8  # tokens per device FFN launch (the GPU kernels loop over at most this many tokens)
 ALIGN = 256  # bytes: where each part of a staging buffer starts
 
 
@@ -294,15 +293,12 @@ class HybridFFN:
         predictor's, or a host mask's sent as 0/1 (threshold 0.5), or None for exact masks (each row's own gate)."""
         if self.gpu is None:
             return
-        m, T = self.masker, xf.shape[0]
+        m = self.masker
         if scores is None:
             thr, cats = 0.0, (m.threshold if isinstance(m, CatsOracleMasker) else None)
         else:
             thr, cats = (m.pred.threshold if self.pred is not None else 0.5), None
-        for a in range(0, T, DEVICE_T):
-            b = min(a + DEVICE_T, T)
-            s = None if scores is None else scores.reshape(T, -1)[a:b]
-            self.dev.ffn(self.gpu, xf[a:b], scores=s, threshold=thr, cats=cats, out=out[a:b])
+        self.dev.ffn(self.gpu, xf, scores=scores, threshold=thr, cats=cats, out=out)  # the device chunks tokens
 
     def host(self, xf: torch.Tensor, resid: torch.Tensor, found: torch.Tensor | None, send) -> torch.Tensor | None:
         """The CPU's rows for the normed input xf and residual resid (host tensors [T, d]); None when the CPU holds

@@ -227,6 +227,31 @@ def test_sparse_ffn_shapes(dev, ref, ty, d, k, T):
     assert rel_err(gy, wy, np.abs(wy).max()) < TOL
 
 
+@pytest.mark.parametrize("ty", [L.F16, L.Q4_0])
+@pytest.mark.parametrize("act", ACTS)
+def test_sparse_ffn_prefill_path(dev, ref, monkeypatch, ty, act):
+    """From PREFILL_T tokens, ffn() multiplies dequantised tiles of the GPU rows (several tiles here) and ffn_act
+    applies the same selection and activation as ffn_up: scores per token, CATS, the up bias of gate-less FFNs."""
+    import runtime.gpu.cuda as C
+
+    rng = np.random.default_rng(zlib.crc32(f"prefill {ty} {act}".encode()))
+    n_ff, d, k = 150, 1056, 77
+    monkeypatch.setattr(C, "DEQUANT_TILE_BYTES", 4 * d * 3 * 20)  # 20 to 30 rows per tile: 3 or 4 tiles
+    case = _ffn_case(rng, ty, act, n_ff, d, k)
+    T = C.PREFILL_T + 3
+    x = rng.standard_normal((T, d)).astype(np.float32)
+    cats = 0.05 if act == "silu" else None
+    for scores in (rng.random((T, n_ff)).astype(np.float32), None):
+        def run(D, scores=scores):
+            f = D.upload_ffn(case["up"], case["down_t"], ty, d, case["bucket"], act=act, gate=case["gate"],
+                             up_bias=case["bias"])
+            y0 = np.linspace(-1, 1, T * d, dtype=np.float32).reshape(T, d)
+            return D.ffn(f, D.asarray(x), scores=None if scores is None else D.asarray(scores), threshold=0.6,
+                         cats=cats, out=D.asarray(y0))
+        got, want = on_both(dev, ref, run)
+        assert rel_err(got, want, np.abs(want).max()) < TOL
+
+
 @pytest.mark.parametrize("group", [1, 7, 32])
 def test_sparse_up_group_sizes(dev, ref, group):
     rng = np.random.default_rng(group)

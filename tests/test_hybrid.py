@@ -85,7 +85,7 @@ def test_hybrid_equals_cpu(relu_pwri, mode, seed):
     mode = mode.split("-")[0]
     cpu = load_model(path, ffn_mode=mode)
     hyb = hybrid_model(path, mode, random_placement(cfg, seed, pred=pred))
-    for decode_from in (None, 4):  # prefill of 12 tokens (device chunks of DEVICE_T), and single-token decode
+    for decode_from in (None, 4):  # prefill of 12 tokens (two chunks of the 8-token kernels), and single-token decode
         want, got = logits(cpu, ids, decode_from), logits(hyb, ids, decode_from)
         assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), (mode, seed, decode_from)
     if pred is not None:  # the CPU's decoding copy of fc2 is made where the CPU decodes with it, and only there
@@ -207,13 +207,20 @@ def test_budget_too_small_is_one_line(relu_pwri):
         hybrid.apply(m, random_placement(cfg, 1), ReferenceDevice(), budget=1000)
 
 
-def test_cuda_kernels_in_the_executor(relu_pwri):
-    """The executor over runtime.gpu.CudaDevice running the real .cu kernels under the CPU emulation."""
+@pytest.mark.parametrize("prefill_t", [32, 4])
+def test_cuda_kernels_in_the_executor(relu_pwri, monkeypatch, prefill_t):
+    """The executor over runtime.gpu.CudaDevice running the real .cu kernels under the CPU emulation; with
+    PREFILL_T = 4 the 5-token prefill takes the device's GEMM paths (projections and FFN rows)."""
+    import runtime.gpu.cuda as C
     from runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
+    monkeypatch.setattr(C, "PREFILL_T", prefill_t)
     path, cfg = relu_pwri
-    ids = [5, 9, 200, 31, 7]
+    ids = [5, 9, 200, 31, 7, 11]
+    want = logits(load_model(path, ffn_mode="sparse"), ids)
+    got = logits(hybrid_model(path, "sparse", random_placement(cfg, 2), CudaDevice(cupy=fake_cupy)), ids)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
     want = logits(load_model(path, ffn_mode="sparse"), ids, decode_from=2)
     got = logits(hybrid_model(path, "sparse", random_placement(cfg, 2), CudaDevice(cupy=fake_cupy)), ids,
                  decode_from=2)

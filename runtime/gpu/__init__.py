@@ -41,6 +41,7 @@ Compute
       rows whose activation is exactly 0. cats: SwiGLU's CATS threshold (h = 0 where |silu(g)| <= cats).
   ffn_down(ffn, h[T, k], out[T, d]) -> out                            out += h @ down rows (rows with h == 0 skipped)
   ffn(ffn, x, *, scores=None, threshold=0.0, cats=None, out=None) -> y[T, d]      both stages; adds into out if given
+      (from PREFILL_T = 32 tokens: GEMMs over dequantised tiles of the rows and an activation kernel, same result)
   predict(pred, x[T, d], *, threshold=0.0, skip=None, ids=False, found=None) -> scores[T, n_ff]
       with ids=True -> (scores, found int32 [1 + n_ff]): found[0] = count, then the ascending neurons with a score
       >= threshold for some token and skip[i] == 0 (skip: uint8 [n_ff], e.g. the GPU neurons, so the list is the

@@ -245,10 +245,38 @@ class CudaDevice:
         return out
 
     def ffn(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
-        """y[T, d] = FFN of the GPU rows (added into out when given: the CPU part or the residual)."""
+        """y[T, d] = FFN of the GPU rows (added into out when given: the CPU part or the residual). From PREFILL_T
+        tokens on, GEMMs over dequantised tiles of the rows (_ffn_prefill) instead of the sparse kernels."""
         if out is None:
             out = self.zeros((x.shape[0], ffn.d))
+        if x.shape[0] >= PREFILL_T:
+            return self._ffn_prefill(ffn, x, scores, threshold, cats, out)
         return self.ffn_down(ffn, self.ffn_up(ffn, x, scores=scores, threshold=threshold, cats=cats), out)
+
+    def _ffn_prefill(self, ffn: FFNRows, x, scores, threshold, cats, out):
+        # Many tokens select most rows between them, so the sparse kernels would read nearly every row once per 8
+        # tokens; a GEMM reads each row once per tile. The same h as ffn_up (selection, activation), then h @ down.
+        T = x.shape[0]
+        _check(x, (T, ffn.d), "x")
+        _check(out, (T, ffn.d), "out")
+        if scores is not None:
+            scores = scores.reshape(T, ffn.n_ff)
+            _check(scores, (T, ffn.n_ff), "scores")
+        mats = 3 if ffn.gate is not None else 2
+        rows_per_tile = max(1, min(ffn.k, DEQUANT_TILE_BYTES // (4 * ffn.d * mats)))
+        for r0 in range(0, ffn.k, rows_per_tile):
+            n = min(rows_per_tile, ffn.k - r0)
+            idx = self.asarray(np.arange(r0, r0 + n, dtype=np.int32))
+            u = self.cp.matmul(x, self.dequant_rows(ffn.up, idx).T)
+            g = u if ffn.gate is None else self.cp.matmul(x, self.dequant_rows(ffn.gate, idx).T)
+            h = self.empty((T, n))
+            self._launch("sparse_ffn", "ffn_act", (min(-(-T * n // 256), 4096),), (256,),
+                         (self.cp.ascontiguousarray(g), self.cp.ascontiguousarray(u),
+                          _ptr(None if ffn.bias is None else ffn.bias[r0:r0 + n]), _ptr(scores), ffn.bucket[r0:r0 + n],
+                          _i32(ffn.n_ff), np.float32(threshold), _i32(ffn.act),
+                          np.float32(-1.0 if cats is None else cats), _i32(T), _i32(n), h))
+            out += self.cp.matmul(h, self.dequant_rows(ffn.down, idx))
+        return out
 
     def _up_group(self, k: int) -> int:
         # Candidate rows per block: about 4 blocks per SM, 8 to 32 rows (one ballot) each.

@@ -84,6 +84,10 @@ maximum = np.maximum
 copyto = np.copyto
 
 
+def ascontiguousarray(a):
+    return np.ascontiguousarray(a).view(FakeArray)
+
+
 class RawModule:
     def __init__(self, code: str, options=()):
         assert "--std=c++17" in options

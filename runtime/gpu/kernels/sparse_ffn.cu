@@ -312,3 +312,20 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
 #define SPARSE_ENTRIES(sfx, Q) \
   SPARSE_UP_ENTRY(sfx, Q, 1) SPARSE_UP_ENTRY(sfx, Q, 8) SPARSE_DOWN_ENTRY(sfx, Q, 1) SPARSE_DOWN_ENTRY(sfx, Q, 2)
 PINFER_FOR_TYPES(SPARSE_ENTRIES)
+
+// Prefill (many tokens): CudaDevice multiplies x by dequantised tiles of the GPU rows with cuBLAS (g = x gate^T,
+// u = x up^T, [T, n] each, for n GPU rows from row r0), then ffn_act makes h [T, n] with the same activation and
+// selection as sparse_up: h = 0 where token t's score of neuron bucket[j] is below the threshold (scores [T, n_ff]
+// or null: every row), else activate(). bias (gate-less codes) and bucket point at row r0's entries.
+// Launch: 256 threads per block, any grid (grid-stride).
+extern "C" __global__ void __launch_bounds__(256) ffn_act(const float* __restrict__ g, const float* __restrict__ u,
+                                                          const float* __restrict__ bias,
+                                                          const float* __restrict__ scores,
+                                                          const int* __restrict__ bucket, int n_ff, float threshold,
+                                                          int act, float cats, int T, int n, float* __restrict__ h) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)T * n; i += (i64)gridDim.x * blockDim.x) {
+    const int t = (int)(i / n), j = (int)(i % n);
+    const bool on = scores == nullptr || scores[(i64)t * n_ff + bucket[j]] >= threshold;
+    h[i] = on ? activate(act, g[i], u[i], bias != nullptr ? bias[j] : 0.f, cats) : 0.f;
+  }
+}
