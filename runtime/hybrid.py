@@ -178,26 +178,25 @@ class DeviceNorm:
 
 
 class DeviceAttention:
-    """One layer's attention on the device: Q/K/V and output projections as the file stores them (Falcon's fused
-    attn_qkv uploaded as its three row blocks), their biases (OPT), RoPE in the model's order (llama pairs, NeoX
-    halves for Falcon, none for OPT), the KV cache in device memory (f16) and attention over it. heads() takes the
-    normed hidden state on the device; project() adds the output projection (biases included) into the residual."""
+    """One layer's attention on the device: Q/K/V and output projections as the file stores them, their biases (OPT),
+    RoPE in the model's order (llama pairs, NeoX halves for Falcon, none for OPT), the KV cache in device memory (f16)
+    and attention over it. Q, K and V of one type are one device matrix (Falcon's attn_qkv as it is; llama's three
+    stacked), so a token's projections are one launch over all their rows. heads() takes the normed hidden state on
+    the device; project() adds the output projection (biases included) into the residual."""
 
     def __init__(self, dev, cfg, b, max_ctx: int):
         self.dev, self.cfg = dev, cfg
         self.norm = DeviceNorm(dev, b.attn_norm)
         q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-        bounds = (0, q, q + kv, q + 2 * kv)  # q, k, v rows of the projection's output
-        ws = b.wqkv.ws
-        if len(ws) == 1:  # fused: gather each block's rows into its own device matrix
-            self.wq, self.wk, self.wv = (_upload(dev, ws[0], np.arange(lo, hi, dtype=np.int32))
-                                         for lo, hi in zip(bounds, bounds[1:], strict=False))
-        else:
-            self.wq, self.wk, self.wv = (_upload(dev, w) for w in ws)
-        bias = b.bqkv
-        self.bq, self.bk, self.bv = ((None,) * 3 if bias is None else
-                                     (dev.asarray(_host(bias[lo:hi])) for lo, hi in zip(bounds, bounds[1:],
-                                                                                       strict=False)))
+        self.bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]  # q, k, v columns of the projections' output
+        ws, bias = b.wqkv.ws, b.bqkv
+        if len({(int(w.qtype), w.cols) for w in ws}) == 1:
+            raw = ws[0].data.numpy() if len(ws) == 1 else np.concatenate([w.data.numpy() for w in ws])
+            self.parts = [(dev.upload_matrix(raw, int(ws[0].qtype), ws[0].cols),
+                           None if bias is None else dev.asarray(_host(bias)))]
+        else:  # types differ (a mixed quantisation): one matrix each
+            self.parts = [(_upload(dev, w), None if bias is None else dev.asarray(_host(bias[lo:hi])))
+                          for w, (lo, hi) in zip(ws, self.bounds, strict=True)]
         self.wo = _upload(dev, b.wo.ws[0])
         self.bo = None if b.bo is None else dev.asarray(_host(b.bo))
         self.k_cache, self.v_cache = dev.kv_cache(cfg.n_head_kv, max_ctx, cfg.head_dim)
@@ -207,9 +206,12 @@ class DeviceAttention:
     def heads(self, xa, pos: int):
         """The attention heads' output [T, n_head * head_dim] for the normed input xa [T, d], cache written."""
         cfg, dev, T = self.cfg, self.dev, xa.shape[0]
-        q = dev.matmul(self.wq, xa, bias=self.bq).reshape(T, cfg.n_head, cfg.head_dim)
-        k = dev.matmul(self.wk, xa, bias=self.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)
-        v = dev.matmul(self.wv, xa, bias=self.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)
+        outs = [dev.matmul(w, xa, bias=bias) for w, bias in self.parts]
+        if len(outs) == 1:  # q, k, v side by side: one token's column blocks are contiguous, more tokens' are copied
+            y = outs[0]
+            outs = [y[:, lo:hi] if T == 1 else dev.copy(y[:, lo:hi], dev.empty((T, hi - lo))) for lo, hi in self.bounds]
+        q, k, v = (a.reshape(T, n, cfg.head_dim) for a, n in zip(outs, (cfg.n_head, cfg.n_head_kv, cfg.n_head_kv),
+                                                                 strict=True))
         o = dev.attention(q, k, v, self.k_cache, self.v_cache, pos, **self.rope)
         return o.reshape(T, cfg.n_head * cfg.head_dim)
 

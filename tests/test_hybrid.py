@@ -260,3 +260,29 @@ def test_pi_run_without_gpu_keeps_cpu_and_says_so(relu_pwri, tmp_path):
     path, _ = relu_pwri
     code, out = run_cli(path, "-p", "hi", "-n", "2", "--gpu", "none", "--placement", "layers")
     assert code != 0 and "need a GPU" in out and len(out.strip().splitlines()) == 1
+
+
+def test_attention_with_mixed_projection_types(relu_pwri):
+    """Q, K, V of different types (a mixed quantisation) stay three device matrices; of one type they are one. Both
+    give the CPU's logits."""
+    from gguf.constants import GGMLQuantizationType as T
+
+    from runtime.weights import quantize_like
+
+    path, cfg = relu_pwri
+    ids = list(range(4, 40, 4))
+
+    def with_f16_keys(m):  # layer 0's K projection as F16, the others as stored (F32)
+        ws = m.transformer.blocks[0].wqkv.ws
+        ws[1] = quantize_like(ws[1].dequantize(), T.F16, ws[1].name)
+        return m
+
+    want = logits(with_f16_keys(load_model(path, ffn_mode="oracle")), ids, decode_from=3)
+    m = with_f16_keys(load_model(path, ffn_mode="oracle"))
+    placement = random_placement(cfg, 1)
+    placement.attn[:] = True
+    hybrid.apply(m, placement, ReferenceDevice())
+    blocks = m.transformer.blocks
+    assert len(blocks[0].attn_dev.parts) == 3 and len(blocks[1].attn_dev.parts) == 1
+    got = logits(m, ids, decode_from=3)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
