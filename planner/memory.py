@@ -39,6 +39,18 @@ _FFN_COLS = (C.FFN_DOWN,)  # neuron i is column i
 _PREDICTOR = (C.PRED_FC1, C.PRED_FC2)
 _NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS, C.ACT_PEAK)  # plans and statistics: not part of what is placed
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+# Matrix types pinfer's kernels do not read: the runtime re-encodes them as Q8_0 when it loads the model
+# (runtime/weights.py, SUPPORTED_TYPES - KERNEL_TYPES; a test keeps the two sets equal), so that is what they cost
+# in memory, VRAM and bytes per token. Row-read tables (token_embd) stay as stored.
+RUN_AS_Q8_0 = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
+                         GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
+
+
+def run_bytes(t: TensorInfo) -> int:
+    """Bytes of tensor t as pinfer runs it: as stored, or as Q8_0 (34 bytes per 32 values) for RUN_AS_Q8_0 matrices."""
+    if len(t.shape) == 2 and t.ggml_type in RUN_AS_Q8_0:
+        return t.n_elements // 32 * 34
+    return t.nbytes
 NO_DATA = -1  # the offset of a tensor a skeleton only declares: it has no data in the file
 
 
@@ -209,16 +221,16 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
         ffn_types |= {type_name(t.ggml_type) for t in matrices}
         layers.append(LayerBytes(
             n_ff=n_ff,
-            attn=sum(t.nbytes for t in attn),
+            attn=sum(run_bytes(t) for t in attn),
             kv=kv_bytes,
-            pred=sum(t.nbytes for t in pred),
-            ffn=sum(t.nbytes for t in ffn),
+            pred=sum(run_bytes(t) for t in pred),
+            ffn=sum(run_bytes(t) for t in ffn),
             attn_flops=2.0 * sum(t.n_elements for t in attn),
             kv_read=kv_per_token * pos * kv_elem[1] / kv_elem[0],
             kv_flops=4.0 * n_head * head_dim * pos,
             pred_flops=2.0 * sum(t.n_elements for t in pred),
-            dense_per_neuron=sum(t.nbytes for t in dense) / n_ff,
-            sparse_per_neuron=sum(t.nbytes for t in sparse) / n_ff,
+            dense_per_neuron=sum(run_bytes(t) for t in dense) / n_ff,
+            sparse_per_neuron=sum(run_bytes(t) for t in sparse) / n_ff,
             dense_flops_per_neuron=2.0 * sum(t.n_elements for t in dense) / n_ff,
             sparse_flops_per_neuron=2.0 * sum(t.n_elements for t in sparse) / n_ff,
             row_types={t.name.split(".")[2]: t.ggml_type for t in matrices},
@@ -234,7 +246,7 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
         path=Path(f.path), name=str(f.get(C.NAME) or Path(f.path).stem), arch=arch,
         quant="+".join(sorted(ffn_types)), n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, vocab=vocab, ctx_size=ctx, layers=layers,
-        output=sum(t.nbytes for t in head), output_flops=2.0 * sum(t.n_elements for t in head),
+        output=sum(run_bytes(t) for t in head), output_flops=2.0 * sum(t.n_elements for t in head),
         host_fixed=sum(t.nbytes for t in host), gpu_workspace=int(workspace), host_reserve=HOST_RESERVE,
         skeleton=bool(f.get(C.SKELETON)), table=table)
 

@@ -153,3 +153,22 @@ def test_decode_matches_prefill(model):
         step = [tr.forward(torch.tensor([t]), p)[-1].numpy() for p, t in enumerate(ids)]
     step = np.stack(step)
     assert np.abs(step - full).max() < 0.03 * np.abs(full).max()
+
+
+def test_planner_counts_what_the_runtime_holds(model):
+    """pi-plan's byte accounting charges each matrix what pinfer holds: as stored for kernel types, the Q8_0 copy
+    (runtime.weights.as_q8_0) for the others; the planner's set of re-encoded types is the runtime's."""
+    from planner.memory import RUN_AS_Q8_0, account, run_bytes
+
+    assert RUN_AS_Q8_0 == SUPPORTED_TYPES - KERNEL_TYPES
+    kind, path, _, _ = model
+    f = open_gguf(path)
+    for name, t in f.tensors.items():
+        if len(t.shape) == 2:
+            w = qweight(f, name)
+            held = w if w.in_kernel else as_q8_0(w)
+            assert run_bytes(t) == held.data.numel(), name
+    acct = account(f)
+    stored = sum(t.nbytes for t in f.tensors.values() if t.name.startswith("blk."))
+    counted = sum(lb.attn + lb.ffn + lb.pred for lb in acct.layers)
+    assert (counted > stored) == (kind == "every-type")  # Q8_0 copies outweigh the 4-6-bit types they replace
