@@ -169,7 +169,8 @@ def run(
             print(json.dumps({"model": str(m.file.path), "prompt": prompt, "text": stream.text,
                               "tokens": stream.ids, "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
                               "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status(),
-                              "notices": m.notices, "hybrid": m.hybrid_report()},
+                              "kv_type": m.kv_type, "ctx_size": m.ctx_size, "notices": m.notices,
+                              "hybrid": m.hybrid_report()},
                              ensure_ascii=False))
             return
         if not chat:

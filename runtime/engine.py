@@ -82,6 +82,7 @@ class Model:
     split: Split | None = None  # host time waiting for the GPU and copying, since the last prefill
     gpu: str = ""  # the GPU in use, as its driver names it
     vram_bytes: int = 0  # what the placement's parts take on it
+    kv_type: str = "f16"  # the CPU's KV cache ("f16" or "f32"; the GPU's is f16)
 
     def hybrid_report(self) -> dict | None:
         """Placement, VRAM and the per-token time split of the last generation, when a GPU is used."""
@@ -246,7 +247,7 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
         ffn_mode = "sparse" if cfg.has_predictors else "dense"
     with torch.inference_mode():
         tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress, kv_type)
-    m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices)
+    m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices, kv_type=kv_type)
     _use_gpu(m, gpu, placement, vram_budget, kv_type, say)
     m.stats.load_s = time.perf_counter() - t0
     return m

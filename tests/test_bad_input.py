@@ -92,6 +92,9 @@ def test_json_output(tmp_path):
     assert code == 0, out
     obj = json.loads(out)
     assert len(obj["tokens"]) == 5 and obj["timings"]["decode_tokens"] == 5 and isinstance(obj["text"], str)
+    assert obj["kv_type"] == "f16" and obj["ctx_size"] > 0
+    code, out = run(tmp_path / "m.gguf", "-p", "hello", "-n", "2", "--kv-type", "f32", "--json")
+    assert code == 0 and json.loads(out)["kv_type"] == "f32"
 
 
 @pytest.mark.parametrize("args,needles", [
