@@ -87,6 +87,7 @@ def _err(got, want, scale) -> float:
 def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> None:
     from runtime.gpu import ACT_CODES
     from runtime.gpu import layout as L
+    from runtime.gpu.cuda import PREFILL_T
 
     rng = np.random.default_rng(0)
 
@@ -134,6 +135,19 @@ def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> N
                 case = f"{L.NAMES[ty]} {act} k={n_ff} T={T}{' cats' if cats else ''}"
                 record("ffn_up", case, _err(gh, wh, np.abs(wh).max() + 1e-30), 1e-4)
                 record("ffn_down", case, _err(gy, wy, np.abs(wy).max() + 1e-30), 1e-4)
+            # prefill: ffn() from PREFILL_T tokens on (GEMMs over dequantised tiles + the ffn_act kernel)
+            T = PREFILL_T + 1
+            x = rng.standard_normal((T, d)).astype(np.float32)
+            scores = rng.random((T, n_ff)).astype(np.float32)
+            cats = 0.02 if act == "silu" else None
+
+            def ffn_prefill(D, get, act=act, x=x, scores=scores, cats=cats, ffns=ffns, T=T):
+                f = dataclasses.replace(ffns[D], act=ACT_CODES[act])
+                return get(D.ffn(f, D.asarray(x), scores=D.asarray(scores), threshold=0.9, cats=cats))
+
+            g, w = both(ffn_prefill)
+            record("ffn_prefill", f"{L.NAMES[ty]} {act} k={n_ff} T={T}{' cats' if cats else ''}",
+                   _err(g, w, np.abs(w).max() + 1e-30), 1e-4)
     # predictor: r = 1024, with the ids of the CPU's active neurons
     fc1 = (rng.standard_normal((1000, d)) * 0.02).astype(np.float16)
     fc2 = (rng.standard_normal((n_ff, 1000)) * 0.05).astype(np.float16)
