@@ -3,6 +3,7 @@
     python benchmarks/decode.py                      # SmolLM2 demo model, 2 threads, 5 interleaved rounds
     python benchmarks/decode.py --model m.gguf --threads 2 --tokens 128 --prefill 512 --rounds 7 --json
     python benchmarks/decode.py --llama-bench /path/to/llama.cpp/build/bin/llama-bench
+    python benchmarks/decode.py --depth 1024        # decode after a 1024-token prompt: the KV cache read each step
 
 Each measurement runs in a fresh subprocess (so peak RSS is the engine's own), and the engines alternate within each
 round (the order rotates), so machine noise hits all of a round alike.
@@ -43,13 +44,13 @@ def long_prompt(n: int) -> str:
     return (text * (1 + 8 * n // max(len(text), 1)))[:8 * n]
 
 
-def worker_pinfer(model: str, threads: int, tokens: int, prompt: str, prefill: int) -> dict:
+def worker_pinfer(model: str, threads: int, tokens: int, prompt: str, prefill: int, depth: int) -> dict:
     from runtime import load_model
 
     t0 = time.perf_counter()
-    m = load_model(model, threads=threads, ctx_size=max(512, prefill + 16))
+    m = load_model(model, threads=threads, ctx_size=max(512, prefill + 16, depth + tokens + 16))
     load_s = time.perf_counter() - t0
-    ids = m.tokenizer.encode(prompt)
+    ids = m.tokenizer.encode(long_prompt(depth))[:depth] if depth else m.tokenizer.encode(prompt)
     list(m.generate(ids, max_tokens=8, temperature=0.0, stop_ids=set()))  # warm-up
     out = list(m.generate(ids, max_tokens=tokens, temperature=0.0, stop_ids=set()))
     st = m.stats
@@ -62,14 +63,16 @@ def worker_pinfer(model: str, threads: int, tokens: int, prompt: str, prefill: i
     return res
 
 
-def worker_llamacpp(model: str, threads: int, tokens: int, prompt: str, prefill: int) -> dict:
+def worker_llamacpp(model: str, threads: int, tokens: int, prompt: str, prefill: int, depth: int) -> dict:
     import llama_cpp
 
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=max(512, prefill + 16),
-                          n_batch=max(512, prefill), verbose=False)
+    llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads,
+                          n_ctx=max(512, prefill + 16, depth + tokens + 16), n_batch=max(512, prefill, depth),
+                          verbose=False)
     load_s = time.perf_counter() - t0
-    ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+    ids = (llm.tokenize(long_prompt(depth).encode(), add_bos=False, special=False)[:depth] if depth
+           else llm.tokenize(prompt.encode(), add_bos=False, special=True))
 
     def run(n):
         llm.reset()
@@ -117,7 +120,8 @@ def run_worker(engine: str, args) -> dict:
     if engine == "llama-bench":
         return run_llama_bench(args)
     cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(args.threads),
-           "--tokens", str(args.tokens), "--prompt", args.prompt, "--prefill", str(args.prefill)]
+           "--tokens", str(args.tokens), "--prompt", args.prompt, "--prefill", str(args.prefill),
+           "--depth", str(args.depth)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{out.stderr[-2000:]}")
@@ -132,6 +136,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--prefill", type=int, default=0, help="also time the prefill of a prompt of this many tokens")
+    ap.add_argument("--depth", type=int, default=0, help="decode after a prompt of this many tokens (held-out prose) "
+                    "instead of --prompt (not with --llama-bench, whose text generation starts from an empty cache)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary, to run beside the others "
                     "(never built by this script)")
@@ -140,7 +146,7 @@ def main() -> None:
 
     if args.worker:
         fn = worker_pinfer if args.worker == "pinfer" else worker_llamacpp
-        res = fn(args.model, args.threads, args.tokens, args.prompt, args.prefill)
+        res = fn(args.model, args.threads, args.tokens, args.prompt, args.prefill, args.depth)
         res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res))
         return
@@ -157,6 +163,8 @@ def main() -> None:
         missing["llamacpp"] = "llama-cpp-python is not installed (pip install 'pinfer[bench]')"
     if args.llama_bench and not (Path(args.llama_bench).is_file() and os.access(args.llama_bench, os.X_OK)):
         raise SystemExit(f"--llama-bench {args.llama_bench}: not an executable file")
+    if args.llama_bench and args.depth:
+        raise SystemExit("--depth and --llama-bench: llama-bench's text generation starts from an empty cache")
     if args.llama_bench:
         engines.append("llama-bench")
     else:
@@ -190,6 +198,7 @@ def main() -> None:
                 v = [p["prefill_tps"] / o["prefill_tps"] for p, o in zip(rows["pinfer"], rows[e], strict=True)]
                 prefill[e] = {"median": round(statistics.median(v), 3), "per_round": [round(x, 3) for x in v]}
     summary = {"model": args.model, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+               "depth": args.depth,
                "paired_decode_ratio": ratios, "prefill_tokens": args.prefill, "paired_prefill_ratio": prefill,
                "not_measured": missing,
                "unpaired_medians": {e: {k: med(e, k) for k in ("decode_tps", "prompt_tps", "load_s", "peak_rss_mb")}
