@@ -39,17 +39,18 @@ _FFN_COLS = (C.FFN_DOWN,)  # neuron i is column i
 _PREDICTOR = (C.PRED_FC1, C.PRED_FC2)
 _NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS, C.ACT_PEAK)  # plans and statistics: not part of what is placed
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-# Matrix types pinfer's kernels do not read: the runtime re-encodes them as Q8_0 when it loads the model
-# (runtime/weights.py, SUPPORTED_TYPES - KERNEL_TYPES; a test keeps the two sets equal), so that is what they cost
-# in memory, VRAM and bytes per token. Row-read tables (token_embd) stay as stored.
-RUN_AS_Q8_0 = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
-                         GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
+# Matrix types pinfer's kernels do not read: the runtime re-encodes them when it loads the model (runtime/weights.py
+# runnable: Q4_K as Q4_1, 20 bytes per 32 values; the others as Q8_0, 34), so that is what they cost in memory, VRAM
+# and bytes per token; a test keeps this table equal to the runtime's choice. Row-read tables (token_embd) stay as
+# stored.
+RUN_AS = {GGMLQuantizationType.Q4_K: 20, GGMLQuantizationType.Q5_0: 34, GGMLQuantizationType.Q5_1: 34,
+          GGMLQuantizationType.Q5_K: 34, GGMLQuantizationType.Q6_K: 34}  # bytes per 32 values as run
 
 
 def run_bytes(t: TensorInfo) -> int:
-    """Bytes of tensor t as pinfer runs it: as stored, or as Q8_0 (34 bytes per 32 values) for RUN_AS_Q8_0 matrices."""
-    if len(t.shape) == 2 and t.ggml_type in RUN_AS_Q8_0:
-        return t.n_elements // 32 * 34
+    """Bytes of tensor t as pinfer runs it: as stored, or re-encoded (RUN_AS) for the matrix types it converts."""
+    if len(t.shape) == 2 and t.ggml_type in RUN_AS:
+        return t.n_elements // 32 * RUN_AS[t.ggml_type]
     return t.nbytes
 NO_DATA = -1  # the offset of a tensor a skeleton only declares: it has no data in the file
 

@@ -27,7 +27,7 @@ from .linear import Embedding, Linear
 from .model import BlockWeights, Norm, Transformer
 from .predictor import load_predictors
 from .sparse_ops import FFNRows
-from .weights import QWeight, as_q8_0, quantize_like, qweight, vector
+from .weights import QWeight, quantize_like, qweight, runnable, vector
 
 
 @dataclass
@@ -95,15 +95,16 @@ def transposed(w: QWeight) -> QWeight:
 
 
 def matrix(f: GGUFFile, name: str, load: Load) -> QWeight:
-    """A weight the layers multiply by, read in place when a C++ kernel reads its type. Other types (Q5_0, Q5_1,
-    K-quants; llama.cpp's Q4_0 files keep the output head as Q6_K) are re-encoded once as Q8_0, which the kernels
-    read: a float32 copy would cost 3.8x the memory and the bandwidth of every token (the 1B Q4_0 file's Q6_K head:
-    70 MB as Q8_0, 262 MB as float32)."""
+    """A weight the layers multiply by, read in place when a C++ kernel reads its type. Other types are re-encoded
+    once into one the kernels read: Q4_K (most of a Q4_K_M file) as Q4_1, which holds its sub-blocks up to an f16
+    rounding of their scales, at 1.1x the bytes; Q5_0, Q5_1, Q5_K and Q6_K (llama.cpp's Q4_0 files keep the output
+    head as Q6_K) as Q8_0. A float32 copy would cost 3.8x the memory and the bandwidth of every token (the 1B Q4_0
+    file's Q6_K head: 70 MB as Q8_0, 262 MB as float32)."""
     w = qweight(f, name)
     if w.in_kernel or not qops.available():
         return w
     t0 = time.perf_counter()
-    q = as_q8_0(w)
+    q = runnable(w)
     load.requantised_s += time.perf_counter() - t0
     load.requantised[w.type_name] = load.requantised.get(w.type_name, 0) + q.nbytes
     return q
@@ -221,8 +222,9 @@ def _report(tr: Transformer, load: Load) -> None:
                             f"memory; requantise to Q4_0, Q8_0 or F16 to avoid it)")
     if load.requantised:
         types = ", ".join(sorted(load.requantised))
-        load.notices.append(f"pinfer has no kernel for {types}: those weights were re-encoded as Q8_0 at load "
-                            f"({sum(load.requantised.values()) / 1e9:.2f} GB of memory, {load.requantised_s:.1f} s); "
+        how = ", ".join(f"{t} as {'Q4_1' if t == 'Q4_K' else 'Q8_0'}" for t in sorted(load.requantised))
+        load.notices.append(f"pinfer has no kernel for {types}: those weights were re-encoded at load ({how}; "
+                            f"{sum(load.requantised.values()) / 1e9:.2f} GB of memory, {load.requantised_s:.1f} s); "
                             f"requantise the file to Q4_0, Q8_0 or F16 to avoid it")
     if load.transposed_bytes:
         load.notices.append(f"sparse mode: the file has no ffn_down_t, so ffn_down was transposed in memory "

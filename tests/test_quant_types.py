@@ -107,7 +107,8 @@ def test_kernels_read_the_kernel_types_in_place(model):
     notes = " ".join(m.notices)
     if KERNELS:
         assert all(w.in_kernel for w in _matrices(m.transformer))  # every matrix the layers use, a kernel reads
-        assert ("re-encoded as Q8_0" in notes) == (kind == "every-type") and "float32 copies" not in notes
+        assert ("Q6_K as Q8_0" in notes) == ("Q4_K as Q4_1" in notes) == (kind == "every-type")
+        assert "float32 copies" not in notes
     else:
         assert "float32 copies" in notes
 
@@ -156,19 +157,59 @@ def test_decode_matches_prefill(model):
 
 
 def test_planner_counts_what_the_runtime_holds(model):
-    """pi-plan's byte accounting charges each matrix what pinfer holds: as stored for kernel types, the Q8_0 copy
-    (runtime.weights.as_q8_0) for the others; the planner's set of re-encoded types is the runtime's."""
-    from planner.memory import RUN_AS_Q8_0, account, run_bytes
+    """pi-plan's byte accounting charges each matrix what pinfer holds: as stored for kernel types, the re-encoding
+    (runtime.weights.runnable) for the others; the planner's table of re-encoded types is the runtime's."""
+    from planner.memory import RUN_AS, account, run_bytes
+    from runtime.weights import runnable
 
-    assert RUN_AS_Q8_0 == SUPPORTED_TYPES - KERNEL_TYPES
+    assert set(RUN_AS) == SUPPORTED_TYPES - KERNEL_TYPES
     kind, path, _, _ = model
     f = open_gguf(path)
     for name, t in f.tensors.items():
         if len(t.shape) == 2:
-            w = qweight(f, name)
-            held = w if w.in_kernel else as_q8_0(w)
-            assert run_bytes(t) == held.data.numel(), name
+            held = runnable(qweight(f, name))
+            assert held.in_kernel and run_bytes(t) == held.data.numel(), name
     acct = account(f)
     stored = sum(t.nbytes for t in f.tensors.values() if t.name.startswith("blk."))
     counted = sum(lb.attn + lb.ffn + lb.pred for lb in acct.layers)
     assert (counted > stored) == (kind == "every-type")  # Q8_0 copies outweigh the 4-6-bit types they replace
+
+
+def q4k_as_q4_1_reference(raw: np.ndarray, cols: int) -> np.ndarray:
+    """Q4_K rows [n, cols / 256 * 144] as Q4_1 rows, in numpy (the definition runtime/csrc/requant.cpp follows)."""
+    n = raw.shape[0]
+    b = raw.reshape(n, cols // 256, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    s = b[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)  # ggml's
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)  # get_scale_min_k4
+    dh = (d * sc.astype(np.float32)).astype(np.float16)  # [n, nsb, 8]
+    mh = (-(dmin * mn.astype(np.float32))).astype(np.float16)
+    qs = b[..., 16:].reshape(n, cols // 256, 4, 32)
+    vals = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(n, cols // 256, 8, 32)  # sub-blocks 2p (low), 2p+1 (high)
+    packed = (vals[..., :16] | (vals[..., 16:] << 4)).astype(np.uint8)
+    out = np.concatenate([dh[..., None].view(np.uint8), mh[..., None].view(np.uint8), packed], -1)
+    return out.reshape(n, cols // 32 * 20)
+
+
+def test_q4_k_becomes_q4_1_exactly_as_defined():
+    """Q4_K re-encodes as Q4_1 byte for byte as the numpy definition says, and its values are the Q4_K values up to
+    the f16 rounding of each sub-block's scale and min (Q8_0 would round every value to 8 bits instead)."""
+    if not KERNELS:
+        pytest.skip("the C++ kernels are not built here")
+    from runtime.weights import as_q4_1
+
+    rng = np.random.default_rng(4)
+    rows, cols = 37, 768
+    raw = random_k_blocks(T.Q4_K, (rows, cols), rng)
+    w = QWeight("w", T.Q4_K, rows, cols, torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1)))
+    q = as_q4_1(w)
+    want = q4k_as_q4_1_reference(np.asarray(raw).reshape(rows, -1), cols)
+    assert q.qtype == T.Q4_1 and np.array_equal(q.data.numpy(), want)
+    exact = quants.dequantize(np.asarray(raw).reshape(rows, -1), T.Q4_K).reshape(rows, cols)
+    got = quants.dequantize(q.data.numpy(), T.Q4_1).reshape(rows, cols)
+    step = np.abs(exact).max()
+    assert 0 < np.abs(got - exact).max() < 2.0 ** -10 * step  # rounded, and only in the scales' 11th bit
+    q8 = quants.dequantize(as_q8_0(w).data.numpy(), T.Q8_0).reshape(rows, cols)
+    assert np.abs(got - exact).mean() < np.abs(q8 - exact).mean() / 4

@@ -56,6 +56,8 @@ void device_layout(const uint8_t* in, int64_t n, int64_t row_bytes, int ty, int6
 bool requant_type_known(int ty);
 int64_t requant_row_bytes(int ty, int64_t cols);  // -1 for other types
 void requant_q8_0(const uint8_t* in, int64_t n, int64_t in_stride, int ty, int64_t cols, uint8_t* out);
+// Q4_K rows as Q4_1, out [n, cols / 32 * 20]: each 32-value sub-block's scale and min rounded to f16, nothing else
+void requant_q4k_q4_1(const uint8_t* in, int64_t n, int64_t in_stride, int64_t cols, uint8_t* out);
 
 // --- matmul.cpp ------------------------------------------------------------------------------------------------------
 // y [T, sum of rows] = x [T, K] . W_i^T for each matrix, outputs side by side. T < gemm_min_t: streaming GEMV tiles on

@@ -50,6 +50,9 @@
 // requant_q8_0(Tensor rows, int type, int cols) -> Tensor
 //     uint8 [n, cols / 32 * 34]: rows [n, row_bytes] (row stride any) of Q5_0, Q5_1, Q4_K, Q5_K or Q6_K re-encoded as
 //     ggml's Q8_0 (requant.cpp), the bytes gguf.quants' dequantise + Q8_0 quantise give.
+// requant_q4_1(Tensor rows, int cols) -> Tensor
+//     uint8 [n, cols / 32 * 20]: Q4_K rows [n, cols / 256 * 144] as Q4_1 blocks (requant.cpp: each sub-block's scale
+//     and min rounded to f16, the nibbles repacked).
 // isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
 // gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
 #include <ATen/core/Tensor.h>
@@ -337,6 +340,17 @@ at::Tensor requant_q8_0_op(const at::Tensor& rows, int64_t type, int64_t cols) {
   return out;
 }
 
+at::Tensor requant_q4_1_op(const at::Tensor& rows, int64_t cols) {
+  TORCH_CHECK(cols > 0 && cols % 256 == 0, "requant_q4_1: cols must be a positive multiple of 256");
+  const int64_t rb = cols / 256 * 144;
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.size(1) == rb &&
+                  rows.stride(1) == 1,
+              "rows: uint8 Q4_K [n, ", rb, "], each row contiguous");
+  at::Tensor out = at::empty({rows.size(0), cols / 32 * 20}, at::TensorOptions().dtype(at::kByte));
+  requant_q4k_q4_1(rows.data_ptr<uint8_t>(), rows.size(0), rows.stride(0), cols, out.data_ptr<uint8_t>());
+  return out;
+}
+
 std::string isa_op() { return isa_name(); }
 int64_t gemm_min_t_op() { return GEMM_MIN_T; }
 
@@ -365,6 +379,7 @@ TORCH_LIBRARY(PINFER_NS, m) {
   m.def("device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor",
         &device_layout_op);
   m.def("requant_q8_0(Tensor rows, int type, int cols) -> Tensor", &requant_q8_0_op);
+  m.def("requant_q4_1(Tensor rows, int cols) -> Tensor", &requant_q4_1_op);
   m.def("isa() -> str", &isa_op);
   m.def("gemm_min_t() -> int", &gemm_min_t_op);
 }

@@ -1,5 +1,6 @@
 // Types the kernels do not read (Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K of llama.cpp's Q4_K_M / Q5_K_M /
-// Q6_K files) re-encoded once, at load, as ggml's Q8_0, which they do (runtime/weights.py as_q8_0). Per row: decode
+// Q6_K files) re-encoded once, at load, as ggml's Q8_0, which they do (runtime/weights.py as_q8_0); Q4_K goes to Q4_1
+// instead (requant_q4k_q4_1 below: near-exact and 20 bytes per 32 values instead of 34). Per row: decode
 // to floats exactly as ggml's reference dequantisers do (same operations in the same order, so the same floats), then
 // ggml's quantize_row_q8_0_ref: per block of 32, d = max|x| / 127, stored as f16, q = roundf(x * (1 / d)). The
 // numpy path it replaces (gguf.quants, ~60 M weights/s: ~2 minutes for a 7B Q4_K_M) stays as the reference the
@@ -137,6 +138,35 @@ void to_q8_0(const float* x, int64_t cols, uint8_t* o) {
 }
 
 }  // namespace
+
+// Q4_K as Q4_1: a Q4_K sub-block (32 values v = d1 q - m1, d1 = d * sc, m1 = dmin * m in f32) is a Q4_1 block with
+// d = f16(d1) and m = f16(-m1), the only rounding; its nibbles are repacked (Q4_K keeps sub-blocks 2p and 2p + 1 in
+// the low and high nibbles of the same 32 bytes, Q4_1 values j and j + 16 in the low and high nibble of byte j).
+void requant_q4k_q4_1(const uint8_t* in, int64_t n, int64_t in_stride, int64_t cols, uint8_t* out) {
+  const int64_t ob = cols / 32 * 20;
+  parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / cols), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint8_t* blk = in + r * in_stride;
+      uint8_t* o = out + r * ob;
+      for (int64_t sb = 0; sb < cols / 256; ++sb, blk += 144) {
+        const float d = f16_to_f32(rd_u16(blk)), dmin = f16_to_f32(rd_u16(blk + 2));
+        for (int p = 0; p < 4; ++p) {
+          const uint8_t* q = blk + 16 + 32 * p;
+          for (int half = 0; half < 2; ++half, o += 20) {
+            uint8_t sc, m;
+            scale_min(2 * p + half, blk + 4, sc, m);
+            const uint16_t dh = f32_to_f16(d * sc), mh = f32_to_f16(-(dmin * m));
+            std::memcpy(o, &dh, 2);
+            std::memcpy(o + 2, &mh, 2);
+            const int shift = 4 * half;
+            for (int j = 0; j < 16; ++j)
+              o[4 + j] = (uint8_t)(((q[j] >> shift) & 0xF) | (((q[j + 16] >> shift) & 0xF) << 4));
+          }
+        }
+      }
+    }
+  });
+}
 
 bool requant_type_known(int ty) { return ty == Q5_0 || ty == Q5_1 || ty == Q4_K || ty == Q5_K || ty == Q6_K; }
 
