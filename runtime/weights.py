@@ -140,18 +140,32 @@ def q8_0_bytes(a: torch.Tensor) -> torch.Tensor:
 def as_q8_0(w: QWeight, chunk_rows: int = 1024, *, kernel: bool = True) -> QWeight:
     """`w` re-encoded as Q8_0 in anonymous memory: for types without a C++ kernel (Q5_0, Q5_1, K-quants), which then
     run on the Q8_0 kernels at 1.06 bytes per weight, 8 bits per value being finer than the 5-6 bits of the types it
-    replaces. By the C++ op (runtime/csrc/requant.cpp, multithreaded) when the kernels are built, else (or with
-    kernel=False) through gguf.quants a block of rows at a time, so no float copy of the whole matrix exists at once:
-    the same bytes (tested), ~30x slower."""
+    replaces; Q5_0 is repacked exactly (q5_0_as_q8_0). By the C++ op (runtime/csrc/requant.cpp, multithreaded) when
+    the kernels are built, else (or with kernel=False) in numpy (through gguf.quants a block of rows at a time, so no
+    float copy of the whole matrix exists at once): the same bytes (tested), ~30x slower."""
     from . import cpu_kernels
 
     if kernel and cpu_kernels.available():
         out = torch.ops.pinfer.requant_q8_0(w.data, int(w.qtype), w.cols)
         return QWeight(w.name, T.Q8_0, w.rows, w.cols, out)
+    if w.qtype == T.Q5_0:
+        return QWeight(w.name, T.Q8_0, w.rows, w.cols, torch.from_numpy(q5_0_as_q8_0(w.data.numpy())))
     out = torch.empty((w.rows, w.cols // 32 * 34), dtype=torch.uint8)
     for r in range(0, w.rows, chunk_rows):
         out[r:r + chunk_rows] = q8_0_bytes(w.dequantize(slice(r, r + chunk_rows)))
     return QWeight(w.name, T.Q8_0, w.rows, w.cols, out)
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows [n, nb * 22] as Q8_0 rows [n, nb * 34], exactly: a Q5_0 block's values d (q - 16) are a Q8_0
+    block's with the same d and int8 q - 16 (requantising would round them again)."""
+    b = raw.reshape(raw.shape[0], -1, 22)
+    qh = b[..., 2:6].copy().view("<u4")  # [n, nb, 1]
+    j = np.arange(16, dtype=np.uint32)
+    lo = (b[..., 6:22] & 0xF) | (((qh >> j) << 4) & 0x10).astype(np.uint8)
+    hi = (b[..., 6:22] >> 4) | ((qh >> (j + 12)) & 0x10).astype(np.uint8)
+    q = (np.concatenate([lo, hi], -1).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([b[..., :2], q], -1).reshape(raw.shape[0], -1))
 
 
 def as_q4_1(w: QWeight) -> QWeight:

@@ -1,6 +1,7 @@
 // Types the kernels do not read (Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K of llama.cpp's Q4_K_M / Q5_K_M /
-// Q6_K files) re-encoded once, at load, as ggml's Q8_0, which they do (runtime/weights.py as_q8_0); Q4_K goes to Q4_1
-// instead (requant_q4k_q4_1 below: near-exact and 20 bytes per 32 values instead of 34). Per row: decode
+// Q6_K files) re-encoded once, at load, as ggml's Q8_0, which they do (runtime/weights.py as_q8_0); Q5_0 is repacked
+// into Q8_0 exactly instead (q5_0_as_q8_0), and Q4_K goes to Q4_1 (requant_q4k_q4_1 below: near-exact, 20 bytes per
+// 32 values instead of 34). Per row: decode
 // to floats exactly as ggml's reference dequantisers do (same operations in the same order, so the same floats), then
 // ggml's quantize_row_q8_0_ref: per block of 32, d = max|x| / 127, stored as f16, q = roundf(x * (1 / d)). The
 // numpy path it replaces (gguf.quants, ~60 M weights/s: ~2 minutes for a 7B Q4_K_M) stays as the reference the
@@ -35,23 +36,15 @@ inline void scale_min(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {
   }
 }
 
-void q5_row(const uint8_t* b, int64_t nb, bool with_min, float* y) {
-  const int64_t BB = with_min ? 24 : 22;
-  for (int64_t i = 0; i < nb; ++i, b += BB, y += 32) {
-    const float d = f16_to_f32(rd_u16(b)), m = with_min ? f16_to_f32(rd_u16(b + 2)) : 0.0f;
-    const uint8_t* qhp = b + (with_min ? 4 : 2);
-    const uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 | (uint32_t)qhp[3] << 24;
-    const uint8_t* qs = qhp + 4;
+void q5_1_row(const uint8_t* b, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, b += 24, y += 32) {
+    const float d = f16_to_f32(rd_u16(b)), m = f16_to_f32(rd_u16(b + 2));
+    const uint32_t qh = (uint32_t)b[4] | (uint32_t)b[5] << 8 | (uint32_t)b[6] << 16 | (uint32_t)b[7] << 24;
+    const uint8_t* qs = b + 8;
     for (int j = 0; j < 16; ++j) {
-      const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
-      const int x0 = (qs[j] & 0xF) | h0, x1 = (qs[j] >> 4) | h1;
-      if (with_min) {
-        y[j] = x0 * d + m;
-        y[j + 16] = x1 * d + m;
-      } else {
-        y[j] = (x0 - 16) * d;
-        y[j + 16] = (x1 - 16) * d;
-      }
+      const int x0 = (qs[j] & 0xF) | (((qh >> j) << 4) & 0x10), x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+      y[j] = x0 * d + m;
+      y[j + 16] = x1 * d + m;
     }
   }
 }
@@ -181,14 +174,31 @@ int64_t requant_row_bytes(int ty, int64_t cols) {
   }
 }
 
+// Q5_0's values d (q - 16) are a Q8_0 block's with the same d and int8 q - 16: repacked, nothing rounds
+void q5_0_as_q8_0(const uint8_t* b, int64_t nb, uint8_t* o) {
+  for (int64_t i = 0; i < nb; ++i, b += 22, o += 34) {
+    std::memcpy(o, b, 2);
+    const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 | (uint32_t)b[5] << 24;
+    const uint8_t* qs = b + 6;
+    for (int j = 0; j < 16; ++j) {
+      o[2 + j] = (uint8_t)(int8_t)(((qs[j] & 0xF) | (((qh >> j) << 4) & 0x10)) - 16);
+      o[2 + j + 16] = (uint8_t)(int8_t)(((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16);
+    }
+  }
+}
+
 void requant_q8_0(const uint8_t* in, int64_t n, int64_t in_stride, int ty, int64_t cols, uint8_t* out) {
   const int64_t ob = cols / 32 * 34;
   parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / cols), [&](int64_t b, int64_t e) {
     std::vector<float> y(cols);
     for (int64_t r = b; r < e; ++r) {
       const uint8_t* src = in + r * in_stride;
-      if (ty == Q5_0 || ty == Q5_1)
-        q5_row(src, cols / 32, ty == Q5_1, y.data());
+      if (ty == Q5_0) {
+        q5_0_as_q8_0(src, cols / 32, out + r * ob);
+        continue;
+      }
+      if (ty == Q5_1)
+        q5_1_row(src, cols / 32, y.data());
       else if (ty == Q6_K)
         q6k_row(src, cols / 256, y.data());
       else
