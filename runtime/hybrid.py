@@ -538,17 +538,23 @@ def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Spl
         raise PinferError(f"the placement needs {need / GIB:.2f} GiB of VRAM for its weights and KV cache, the budget "
                           f"is {budget / GIB:.2f} GiB; lower --ctx-size or choose --placement layers|cpu")
     bus = Bus(dev)
-    for li, b in enumerate(tr.blocks):
-        if placement.attn[li]:
-            b.attn_dev = DeviceAttention(dev, tr.cfg, b, tr.max_ctx)
-            tr.cache.free(li)
-        bucket = placement.buckets[li]
-        if len(bucket) or placement.pred[li]:
-            rows = _rows(b.ffn)
-            if rows.down_t is None:  # dense mode over a file with ffn_down: neuron-major rows for both halves
-                rows.down_t = transposed(b.ffn.down.ws[0])
-            b.ffn = HybridFFN(b.ffn, rows, dev, bus, bucket, bool(placement.pred[li]), b.ffn_norm)
-    head = DeviceLinear(dev, bus, tr.output) if placement.output else None
+    try:
+        for li, b in enumerate(tr.blocks):
+            if placement.attn[li]:
+                b.attn_dev = DeviceAttention(dev, tr.cfg, b, tr.max_ctx)
+                tr.cache.free(li)
+            bucket = placement.buckets[li]
+            if len(bucket) or placement.pred[li]:
+                rows = _rows(b.ffn)
+                if rows.down_t is None:  # dense mode over a file with ffn_down: neuron-major rows for both halves
+                    rows.down_t = transposed(b.ffn.down.ws[0])
+                b.ffn = HybridFFN(b.ffn, rows, dev, bus, bucket, bool(placement.pred[li]), b.ffn_norm)
+        head = DeviceLinear(dev, bus, tr.output) if placement.output else None
+    except MemoryError as e:  # CuPy's OutOfMemoryError is one: VRAM the budget counted on is held by someone else
+        within = "" if budget is None else f", within the budget of {budget / GIB:.2f} GiB"
+        raise PinferError(f"out of GPU memory while loading the placement ({need / GIB:.2f} GiB{within}) onto "
+                          f"{getattr(dev, 'name', 'the GPU')}: {str(e).splitlines()[0] if str(e) else 'no detail'}; "
+                          f"free the GPU, or pass a lower --vram-budget or --placement layers|cpu") from None
     model.transformer = HybridTransformer(tr, dev, bus, head)
     dev.synchronize()  # the uploads ran on the default stream; the hybrid's own stream does not wait for it
     return bus.split

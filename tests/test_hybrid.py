@@ -207,6 +207,19 @@ def test_budget_too_small_is_one_line(relu_pwri):
         hybrid.apply(m, random_placement(cfg, 1), ReferenceDevice(), budget=1000)
 
 
+def test_out_of_gpu_memory_at_load_is_one_line(relu_pwri):
+    """VRAM the budget counted on, taken by another process: a one-line error naming the bytes and the budget."""
+    path, cfg = relu_pwri
+
+    class Full(ReferenceDevice):
+        def upload_ffn(self, *a, **kw):
+            raise MemoryError("Out of memory allocating 1,048,576 bytes (allocated so far: 0 bytes).")
+
+    with pytest.raises(PinferError, match=r"out of GPU memory while loading the placement \(.* GiB, within the "
+                                          r"budget of 8\.00 GiB\).*allocating 1,048,576 bytes.*--vram-budget"):
+        hybrid.apply(load_model(path), random_placement(cfg, 1), Full(), budget=8 << 30)
+
+
 @pytest.mark.parametrize("prefill_t", [32, 4])
 def test_cuda_kernels_in_the_executor(relu_pwri, monkeypatch, prefill_t):
     """The executor over runtime.gpu.CudaDevice running the real .cu kernels under the CPU emulation; with
