@@ -305,3 +305,35 @@ def test_health_answers_while_generating(served, slow):
     assert time.monotonic() - t0 < 0.5 and h["status"] == "ok" and h["generating"]
     slow.delay = 0.0
     t.join(20)
+
+
+def test_hybrid_model_serves_turns(served):
+    """pi-serve over a model split between the GPU stand-in and the CPU (runtime/hybrid.py: attention and the
+    residual stream on the device, every FFN split): requests run on the server's worker thread, the second turn
+    reuses the KV cache (in device memory), and the answers are the CPU model's."""
+    import numpy as np
+
+    from runtime import hybrid
+    from runtime.gpu import ReferenceDevice
+    from runtime.placement import Placement
+    from runtime.server import create_app
+    from tests.tiny_server import RunningServer
+
+    ref = served[2]
+    m = load_model(ref.file.path, threads=1)
+    L, n_ff = m.cfg.n_layer, m.cfg.n_ff
+    hybrid.apply(m, Placement("test", np.ones(L, bool), np.zeros(L, bool), [np.arange(0, n_ff, 3)] * L, True, "test"),
+                 ReferenceDevice())
+    srv = RunningServer(create_app(m, threads=1))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        turn1 = [{"role": "user", "content": "tell me a story"}]
+        toks1, text1 = reference(ref, encode_chat(ref.tokenizer, turn1), 10)
+        assert c.chat.completions.create(model="tiny-chat", messages=turn1, max_tokens=10,
+                                         temperature=0).choices[0].message.content == text1
+        turn2 = turn1 + [{"role": "assistant", "content": text1}, {"role": "user", "content": "and then?"}]
+        _, text2 = reference(ref, encode_chat(ref.tokenizer, turn2), 10)
+        r2 = c.chat.completions.create(model="tiny-chat", messages=turn2, max_tokens=10, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens > 0 and r2.choices[0].message.content == text2
+    finally:
+        srv.close()
