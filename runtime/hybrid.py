@@ -90,9 +90,18 @@ class Bus:
 
     def __init__(self, dev):
         self.dev, self.stream, self.split = dev, dev.stream(), Split()
+        self._norms: dict[int, DeviceNorm] = {}
 
     def link(self) -> Link:
         return Link(self)
+
+    def norm(self, n: Norm) -> DeviceNorm:
+        """The device's copy of a norm, one per Norm (attention, FFN and the host-residual path share it; so do
+        Falcon 7B's two branches). DeviceNorm keeps n alive, so its id is not reused."""
+        d = self._norms.get(id(n))
+        if d is None:
+            d = self._norms[id(n)] = DeviceNorm(self.dev, n)
+        return d
 
 
 class Link:
@@ -184,9 +193,9 @@ class DeviceAttention:
     stacked), so a token's projections are one launch over all their rows. heads() takes the normed hidden state on
     the device; project() adds the output projection (biases included) into the residual."""
 
-    def __init__(self, dev, cfg, b, max_ctx: int):
+    def __init__(self, dev, bus: Bus, cfg, b, max_ctx: int):
         self.dev, self.cfg = dev, cfg
-        self.norm = DeviceNorm(dev, b.attn_norm)
+        self.norm = bus.norm(b.attn_norm)
         q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         self.bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]  # q, k, v columns of the projections' output
         ws, bias = b.wqkv.ws, b.bqkv
@@ -277,7 +286,7 @@ class HybridFFN:
             self.skip = dev.asarray(on_gpu.astype(np.uint8))
             always = self.masker.always
             self.always = None if always is None else dev.asarray(always.numpy().astype(np.int64))
-        self.norm = DeviceNorm(dev, norm)  # for a residual stream on the host: the device norms x itself
+        self.norm = bus.norm(norm)  # for a residual stream on the host: the device norms x itself
         self.up_link, self.ids_link, self.out_link = bus.link(), bus.link(), bus.link()
 
     def predict(self, r, found=None):
@@ -390,10 +399,10 @@ class HybridTransformer:
         self.in_links = [bus.link() for _ in tr.blocks]
         self.ffn_links = [bus.link() for _ in tr.blocks]
         self.out_link, self.head_in = bus.link(), bus.link()
-        self.ffn_norm = [DeviceNorm(dev, b.ffn_norm) if b.attn_dev is not None else None for b in tr.blocks]
+        self.ffn_norm = [bus.norm(b.ffn_norm) if b.attn_dev is not None else None for b in tr.blocks]
         self.ffn_bias = [None if b.attn_dev is None or b.ffn_bias is None else dev.asarray(_host(b.ffn_bias))
                          for b in tr.blocks]
-        self.out_norm = DeviceNorm(dev, tr.output_norm) if head is not None else None
+        self.out_norm = bus.norm(tr.output_norm) if head is not None else None
 
     def __getattr__(self, name):
         return getattr(self.tr, name)
@@ -541,7 +550,7 @@ def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Spl
     try:
         for li, b in enumerate(tr.blocks):
             if placement.attn[li]:
-                b.attn_dev = DeviceAttention(dev, tr.cfg, b, tr.max_ctx)
+                b.attn_dev = DeviceAttention(dev, bus, tr.cfg, b, tr.max_ctx)
                 tr.cache.free(li)
             bucket = placement.buckets[li]
             if len(bucket) or placement.pred[li]:

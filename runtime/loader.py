@@ -36,7 +36,7 @@ class Load:
 
     notices: list[str] = field(default_factory=list)
     float_copies: dict[str, int] = field(default_factory=dict)  # type name -> bytes of float32 copies
-    requantised: dict[str, int] = field(default_factory=dict)  # type name -> bytes of its Q8_0 re-encoding
+    requantised: dict[tuple[str, str], int] = field(default_factory=dict)  # (type, its re-encoding) -> bytes
     requantised_s: float = 0.0
     transposed_bytes: int = 0
     transposed_s: float = 0.0
@@ -106,7 +106,8 @@ def matrix(f: GGUFFile, name: str, load: Load) -> QWeight:
     t0 = time.perf_counter()
     q = runnable(w)
     load.requantised_s += time.perf_counter() - t0
-    load.requantised[w.type_name] = load.requantised.get(w.type_name, 0) + q.nbytes
+    key = (w.type_name, q.type_name)
+    load.requantised[key] = load.requantised.get(key, 0) + q.nbytes
     return q
 
 
@@ -221,8 +222,8 @@ def _report(tr: Transformer, load: Load) -> None:
         load.notices.append(f"{why}: those weights run on float32 copies made on first use ({gb:.2f} GB more "
                             f"memory; requantise to Q4_0, Q8_0 or F16 to avoid it)")
     if load.requantised:
-        types = ", ".join(sorted(load.requantised))
-        how = ", ".join(f"{t} as {'Q4_1' if t == 'Q4_K' else 'Q8_0'}" for t in sorted(load.requantised))
+        types = ", ".join(sorted({t for t, _ in load.requantised}))
+        how = ", ".join(f"{t} as {q}" for t, q in sorted(load.requantised))
         load.notices.append(f"pinfer has no kernel for {types}: those weights were re-encoded at load ({how}; "
                             f"{sum(load.requantised.values()) / 1e9:.2f} GB of memory, {load.requantised_s:.1f} s); "
                             f"requantise the file to Q4_0, Q8_0 or F16 to avoid it")

@@ -125,7 +125,6 @@ def as_float(w: torch.Tensor | QWeight) -> torch.Tensor:
     return w.dequantize() if isinstance(w, QWeight) else w
 
 
-
 def sparse_threshold(f: GGUFFile) -> float:
     return float(f.get(C.SPARSE_THRESHOLD, 0.0))
 

@@ -107,6 +107,23 @@ struct Q8 {  // one token's activations, nb blocks
   const int32_t* bsum;  // [nb] sum(qs), folded into the integer sums of Q4_0 and Q8_0
 };
 
+// max |x_j| over one block of 32 floats (exact in any order of the comparisons)
+inline float absmax_block(const float* x) {
+#if defined(PINFER_AVX2)
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_and_ps(_mm256_loadu_ps(x), absmask);
+  for (int k = 8; k < QK; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), absmask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+#else
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+  return amax;
+#endif
+}
+
 // Quantise one block of 32 floats: d = max|x| / 127, q = nearest-even(x * (1 / d)) (0 when the block is all zero).
 inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* bsum_out) {
 #if defined(PINFER_AVX512)
@@ -119,19 +136,9 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* bsu
   _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(q1));
   *bsum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #elif defined(PINFER_AVX2)
-  __m256 v[4];
-  __m256 m = _mm256_setzero_ps();
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int k = 0; k < 4; ++k) {
-    v[k] = _mm256_loadu_ps(x + 8 * k);
-    m = _mm256_max_ps(m, _mm256_and_ps(v[k], absmask));
-  }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float d = _mm_cvtss_f32(h) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  const float d = absmax_block(x) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
   __m256i q32[4];
-  for (int k = 0; k < 4; ++k) q32[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+  for (int k = 0; k < 4; ++k) q32[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), _mm256_set1_ps(id)));
   // i32 -> i8: the packs work within 128-bit lanes, so the dwords come out in the order 0,2,4,6,1,3,5,7 of four
   // groups each; one permute restores element order
   const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
@@ -142,9 +149,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* bsu
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
   *bsum_out = _mm_cvtsi128_si32(s4);
 #else
-  float amax = 0.f;
-  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  const float d = absmax_block(x) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
   int32_t sum = 0;
   for (int j = 0; j < QK; ++j) {
     q[j] = (int8_t)std::nearbyint(x[j] * id);  // default rounding mode: nearest even, as cvtps2dq

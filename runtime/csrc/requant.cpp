@@ -1,11 +1,11 @@
 // Types the kernels do not read (Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K of llama.cpp's Q4_K_M / Q5_K_M /
-// Q6_K files) re-encoded once, at load, as ggml's Q8_0, which they do (runtime/weights.py as_q8_0); Q5_0 is repacked
-// into Q8_0 exactly instead (q5_0_as_q8_0), and Q4_K goes to Q4_1 (requant_q4k_q4_1 below: near-exact, 20 bytes per
-// 32 values instead of 34). Per row: decode
-// to floats exactly as ggml's reference dequantisers do (same operations in the same order, so the same floats), then
-// ggml's quantize_row_q8_0_ref: per block of 32, d = max|x| / 127, stored as f16, q = roundf(x * (1 / d)). The
-// numpy path it replaces (gguf.quants, ~60 M weights/s: ~2 minutes for a 7B Q4_K_M) stays as the reference the
-// tests compare with byte for byte.
+// Q6_K files), re-encoded once, at load, into types they do (runtime/weights.py runnable):
+//   Q4_K as Q4_1 (requant_q4k_q4_1: each sub-block's scale and min rounded to f16, nothing else);
+//   Q5_0 as Q8_0 exactly (q5_0_as_q8_0: the same d, int8 q - 16);
+//   the others as ggml's Q8_0: decoded to floats as ggml's reference dequantisers do (the same operations in the
+//   same order, so the same floats), then ggml's quantize_row_q8_0_ref (to_q8_0). gguf.quants, whose numpy path
+//   this replaces (~60 M weights/s: ~2 minutes for a 7B Q4_K_M), is the reference the tests compare with byte for
+//   byte.
 //
 // Encodings (ggml-common.h; QK_K = 256 values per super-block, f16 scales little-endian):
 //   Q5_0  22 bytes {f16 d; u8 qh[4]; u8 qs[16]}         v = d * (q - 16), q = nibble | high bit << 4
@@ -92,27 +92,17 @@ void q6k_row(const uint8_t* b, int64_t nb, float* y) {
 }
 
 // ggml's quantize_row_q8_0_ref: per block of 32, d = max|x| / 127 (stored as f16), q = roundf(x * (1 / d)). The AVX2
-// path gives the same bytes: max is exact in any order, and roundf (halves away from zero) is trunc(v) plus sign(v)
-// where |v - trunc(v)| >= 0.5, a difference computed exactly (v + 0.5 then trunc would round 0.49999997 up).
+// path gives the same bytes: roundf (halves away from zero) is trunc(v) plus sign(v) where |v - trunc(v)| >= 0.5, a
+// difference computed exactly (v + 0.5 then trunc would round 0.49999997 up). (quant.h's quantize_block rounds
+// halves to even, as the activation blocks' kernels expect; ggml's weights round away from zero.)
 void to_q8_0(const float* x, int64_t cols, uint8_t* o) {
   for (int64_t b = 0; b < cols / 32; ++b, x += 32, o += 34) {
-#if defined(__AVX2__)
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
-    for (int k = 8; k < 32; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-#else
-    float amax = 0.0f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
-#endif
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = absmax_block(x) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     const uint16_t h = f32_to_f16(d);
     std::memcpy(o, &h, 2);
-#if defined(__AVX2__)
-    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+#if defined(PINFER_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.0f), vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f),
+                 one = _mm256_set1_ps(1.0f);
     __m256i q[4];
     for (int k = 0; k < 4; ++k) {
       const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), vid);
@@ -127,6 +117,19 @@ void to_q8_0(const float* x, int64_t cols, uint8_t* o) {
 #else
     for (int j = 0; j < 32; ++j) o[2 + j] = (uint8_t)(int8_t)std::roundf(x[j] * id);
 #endif
+  }
+}
+
+// Q5_0's values d (q - 16) are a Q8_0 block's with the same d and int8 q - 16: repacked, nothing rounds
+void q5_0_as_q8_0(const uint8_t* b, int64_t nb, uint8_t* o) {
+  for (int64_t i = 0; i < nb; ++i, b += 22, o += 34) {
+    std::memcpy(o, b, 2);
+    const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 | (uint32_t)b[5] << 24;
+    const uint8_t* qs = b + 6;
+    for (int j = 0; j < 16; ++j) {
+      o[2 + j] = (uint8_t)(int8_t)(((qs[j] & 0xF) | (((qh >> j) << 4) & 0x10)) - 16);
+      o[2 + j + 16] = (uint8_t)(int8_t)(((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16);
+    }
   }
 }
 
@@ -171,19 +174,6 @@ int64_t requant_row_bytes(int ty, int64_t cols) {
     case Q5_K: return cols / 256 * 176;
     case Q6_K: return cols / 256 * 210;
     default: return -1;
-  }
-}
-
-// Q5_0's values d (q - 16) are a Q8_0 block's with the same d and int8 q - 16: repacked, nothing rounds
-void q5_0_as_q8_0(const uint8_t* b, int64_t nb, uint8_t* o) {
-  for (int64_t i = 0; i < nb; ++i, b += 22, o += 34) {
-    std::memcpy(o, b, 2);
-    const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 | (uint32_t)b[5] << 24;
-    const uint8_t* qs = b + 6;
-    for (int j = 0; j < 16; ++j) {
-      o[2 + j] = (uint8_t)(int8_t)(((qs[j] & 0xF) | (((qh >> j) << 4) & 0x10)) - 16);
-      o[2 + j + 16] = (uint8_t)(int8_t)(((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16);
-    }
   }
 }
 
