@@ -31,6 +31,15 @@ from formats.reader import GGUFFile, TensorInfo, tensor_nbytes, type_name
 
 MIB = 1 << 20
 GPU_WORKSPACE_FIXED = 256 * MIB  # cuBLAS workspace and compute-graph buffers of a CUDA engine
+# What pinfer's GPU runtime promises to stay within beyond the placed weights and KV caches (runtime/hybrid.py,
+# runtime/gpu/cuda.py use these): prompts run GPU_CHUNK tokens per forward pass, prefill GEMMs read weights
+# dequantised in tiles of at most DEQUANT_TILE_BYTES, and attention splits a context into chunks of ATTN_CHUNK
+# positions, at most ATTN_MAX_CHUNKS of them (longer ones past that). gpu_scratch_bytes bounds the device memory
+# that leaves for activations.
+GPU_CHUNK = 32
+DEQUANT_TILE_BYTES = 64 * MIB
+ATTN_CHUNK = 256
+ATTN_MAX_CHUNKS = 64
 HOST_RESERVE = 1 << 30  # the process itself: interpreter, torch, tokenizer, buffers
 KV_FILL = 0.5  # decode reads the KV cache of the tokens so far: on average half of a full context
 
@@ -242,7 +251,8 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
     if C.OUTPUT not in by_name and C.TOKEN_EMBD in by_name:
         head.append(by_name[C.TOKEN_EMBD])  # tied: the GPU needs its own copy of the embedding matrix
     host = [t for t in globals_ if t.name == C.TOKEN_EMBD or t not in head]
-    workspace = GPU_WORKSPACE_FIXED + 4 * (2 * vocab + 4 * max(lb.n_ff for lb in layers) + 8 * n_embd + n_head * ctx)
+    workspace = GPU_WORKSPACE_FIXED + gpu_scratch_bytes(n_layer, n_embd, max(lb.n_ff for lb in layers), n_head,
+                                                        n_head_kv, head_dim, vocab, ctx)
     return ModelBytes(
         path=Path(f.path), name=str(f.get(C.NAME) or Path(f.path).stem), arch=arch,
         quant="+".join(sorted(ffn_types)), n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
@@ -250,6 +260,26 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
         output=sum(run_bytes(t) for t in head), output_flops=2.0 * sum(t.n_elements for t in head),
         host_fixed=sum(t.nbytes for t in host), gpu_workspace=int(workspace), host_reserve=HOST_RESERVE,
         skeleton=bool(f.get(C.SKELETON)), table=table)
+
+
+def gpu_scratch_bytes(n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int,
+                      vocab: int, ctx: int) -> int:
+    """The most device memory pinfer's hybrid runtime holds for one forward pass of up to GPU_CHUNK tokens, beyond
+    the placed weights and KV caches, whatever the placement (every term at its worst case):
+    - held between passes, per layer: the staging buffers of what crosses the bus (runtime/hybrid.py Link): the
+      residual, the normed input and the FFN's partial sum [T, d] each, a host predictor's mask for the device's
+      rows [T, n_ff], the CPU's active ids [n_ff + 1]; for the head, the rows it reads and its logits [T, vocab];
+    - within a pass, one layer at a time: one tile of dequantised weights for a prefill GEMM, the Q/K/V projections
+      and their per-head copies, attention's partial sums [T, n_head, chunks of ctx, head_dim + 2], gate, up and
+      activations of the FFN rows [T, n_ff] each, the predictor's scores [T, n_ff] and hidden units, logits."""
+    T, f32, align = GPU_CHUNK, 4, 256
+    qkv = (n_head + 2 * n_head_kv) * head_dim
+    links = n_layer * (f32 * (3 * T * n_embd + T * n_ff + n_ff + 1) + 8 * align) + f32 * T * (vocab + 2 * n_embd)
+    largest = f32 * n_embd * max(3 * n_ff, vocab, qkv, n_head * head_dim)  # a tile never exceeds its matrices
+    chunks = min(ATTN_MAX_CHUNKS, -(-ctx // ATTN_CHUNK))
+    per_pass = min(DEQUANT_TILE_BYTES, largest) + f32 * T * (2 * qkv + n_head * chunks * (head_dim + 2)
+                                                               + n_head * head_dim + 5 * n_ff + 2 * n_embd + vocab)
+    return links + per_pass
 
 
 def _ranges(d) -> str:

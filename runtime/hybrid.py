@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from formats.errors import PinferError
+from planner.memory import GPU_CHUNK
 
 from .ffn_dense import DenseFFN
 from .ffn_sparse import CatsOracleMasker, PredictorMasker, SparseFFN, SparsityStats
@@ -408,6 +409,15 @@ class HybridTransformer:
         return getattr(self.tr, name)
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
+        # GPU_CHUNK tokens at a time: the device's buffers for activations grow with the tokens of a pass, and the
+        # planner kept only gpu_scratch_bytes free for them (a 512-token pass held 1.4 GB of staging buffers on a
+        # 13B model). The KV caches make passes over consecutive chunks one pass; the head reads only the last.
+        n = tokens.numel()
+        logits = [self._forward(tokens[s:s + GPU_CHUNK], pos + s, all_logits or s + GPU_CHUNK >= n, all_logits)
+                  for s in range(0, n, GPU_CHUNK)]
+        return torch.cat([g for g in logits if g is not None]) if all_logits else logits[-1]
+
+    def _forward(self, tokens: torch.Tensor, pos: int, head: bool, all_logits: bool) -> torch.Tensor | None:
         x = _Residual(self.tr.embed(tokens, pos))
         with self.bus.stream:
             for li, b in enumerate(self.tr.blocks):
@@ -415,6 +425,9 @@ class HybridTransformer:
                     self._device_layer(li, b, x, pos)
                 else:
                     self._host_layer(li, b, x, pos)
+            if not head:  # a chunk before the last: its residual stream is not needed; what it queued must be done
+                self.bus.stream.synchronize()  # before the next chunk refills the page-locked buffers
+                return None
             return self._head(x, all_logits)
 
     def _host_layer(self, li: int, b, x: _Residual, pos: int) -> None:

@@ -510,3 +510,27 @@ def test_reference_in_float32_agrees(ref):
     a = r32.to_numpy(r32.matmul(r32.upload_matrix(raw, L.Q4_0, 256), r32.asarray(x)))
     b = ref.to_numpy(ref.matmul(ref.upload_matrix(raw, L.Q4_0, 256), ref.asarray(x)))
     assert rel_err(a, b, np.abs(x) @ np.abs(L.dequantize(raw, L.Q4_0, 256)).T) < TOL
+
+
+def test_attention_long_context_keeps_its_chunk_count(dev, ref, monkeypatch):
+    """Past ATTN_MAX_CHUNKS chunks of attn_chunk positions, chunks grow instead of multiplying, so the partial sums
+    stay within what the planner reserves (planner/memory.py gpu_scratch_bytes); the result is the same."""
+    import runtime.gpu.cuda as cuda
+
+    monkeypatch.setattr(cuda, "ATTN_MAX_CHUNKS", 3)
+    rng = np.random.default_rng(7)
+    n_head, n_kv, hd, T, pos, ctx = 4, 2, 64, 2, 150, 160  # 152 positions: 5 chunks of 32, or 3 of 51
+    q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((T, n_kv, hd)).astype(np.float32) for _ in range(2))
+    ck, cv = (rng.standard_normal((n_kv, ctx, hd)).astype(np.float16) for _ in range(2))
+    shapes = []
+    empty = dev.empty
+    monkeypatch.setattr(dev, "empty", lambda shape, *a: shapes.append(tuple(shape)) or empty(shape, *a))
+    monkeypatch.setattr(dev, "attn_chunk", 32)
+
+    def run(D):
+        return D.attention(D.asarray(q), D.asarray(k), D.asarray(v), D.asarray(ck), D.asarray(cv), pos)
+
+    go, wo = on_both(dev, ref, run)
+    assert (T, n_head, 3, hd + 2) in shapes, shapes  # the partial sums: 3 chunks, not 5
+    assert rel_err(go, wo, np.abs(wo).max()) < 1e-4

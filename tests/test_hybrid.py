@@ -299,3 +299,27 @@ def test_attention_with_mixed_projection_types(relu_pwri):
     assert len(blocks[0].attn_dev.parts) == 3 and len(blocks[1].attn_dev.parts) == 1
     got = logits(m, ids, decode_from=3)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_device_memory_for_activations_stays_within_the_planners_workspace(relu_pwri, seed):
+    """A long prompt runs in passes of GPU_CHUNK tokens, so the device memory held for activations (the staging
+    buffers of every layer, a pass's temporaries) stays within what the planner leaves free for them
+    (planner/memory.py gpu_scratch_bytes), however long the prompt; and chunked passes give the CPU's logits. Under
+    the CUDA emulation, whose allocations are counted like a device's (one 200-token pass held 5x a chunk's)."""
+    from planner.memory import GPU_CHUNK, gpu_scratch_bytes
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    path, cfg = relu_pwri
+    ids = [int(t) for t in np.random.default_rng(seed).integers(3, cfg.vocab_size, 6 * GPU_CHUNK + 5)]
+    cpu = load_model(path, ffn_mode="sparse", ctx_size=512)
+    m = load_model(path, ffn_mode="sparse", ctx_size=512)
+    hybrid.apply(m, random_placement(cfg, seed), CudaDevice(cupy=fake_cupy))
+    loaded = fake_cupy.memory.live
+    fake_cupy.memory.reset_peak()
+    got, want = logits(m, ids, decode_from=len(ids) - 2), logits(cpu, ids, decode_from=len(ids) - 2)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    bound = gpu_scratch_bytes(cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+                              cfg.vocab_size, 512)
+    assert 0 < fake_cupy.memory.peak - loaded <= bound, (fake_cupy.memory.peak - loaded, bound)

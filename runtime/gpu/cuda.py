@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from planner import memory as _mem
+
 from . import layout
 from .sources import source
 from .weights import GATED, FFNRows, Matrix, PredictorWeights, act_code, gather_rows, predictor_arrays
@@ -20,7 +22,12 @@ NVRTC_OPTIONS = ("--std=c++17",)
 NULL = np.uint64(0)  # a null pointer argument (CuPy passes numpy scalars by value)
 MAX_T = 8  # tokens per launch of the decode kernels (gemv, sparse_up); more loop in chunks of 8
 PREFILL_T = 32  # from this many tokens matmul dequantises W in tiles and multiplies with cuBLAS
-DEQUANT_TILE_BYTES = 256 << 20  # f32 workspace of one dequantised tile of W for the prefill path
+# f32 workspace of one dequantised tile of W for the prefill path, and the most chunks attention splits a context
+# into (its partial sums are [T, n_head, chunks, hd + 2]): bounds the planner's workspace counts on
+# (planner/memory.py gpu_scratch_bytes). A 64 MiB tile is a [32 x 5120] x [5120 x 3276] GEMM: still bound by reading
+# the tile, as a larger one would be.
+DEQUANT_TILE_BYTES = _mem.DEQUANT_TILE_BYTES
+ATTN_MAX_CHUNKS = _mem.ATTN_MAX_CHUNKS
 
 
 class GPUUnavailable(RuntimeError):
@@ -62,7 +69,7 @@ class CudaDevice:
         # them on a real GPU.
         self.up_group: int | None = None
         self.down_rows_per_warp: int | None = None
-        self.attn_chunk = 256
+        self.attn_chunk = _mem.ATTN_CHUNK
 
     # ---- kernels
     def _fn(self, module: str, name: str):
@@ -338,7 +345,7 @@ class CudaDevice:
         self._launch("attention", "rope_kv_store", (n_head + n_kv, T), (64,),
                      (q, k, v, kc, vc, _i32(pos), _i32(n_head), _i32(n_kv), _i32(hd), _i32(n_rot), _i32(neox),
                       np.float32(base), np.float32(1.0 / rope_scale), _i32(max_ctx)))
-        chunk = self.attn_chunk
+        chunk = max(self.attn_chunk, -(-(pos + T) // ATTN_MAX_CHUNKS))  # a long context: longer chunks, not more
         n_chunks = -(-(pos + T) // chunk)
         part = self.empty((T, n_head, n_chunks, hd + 2))
         scale = 1.0 / math.sqrt(hd) if scale is None else scale

@@ -38,7 +38,27 @@ def _alloc(shape, dtype) -> FakeArray:
     n = int(np.prod(shape)) * dtype.itemsize
     buf = np.full(n + 2 * GUARD, _PATTERN, np.uint8)
     _live.append(weakref.ref(buf))
+    memory.live += n
+    memory.peak = max(memory.peak, memory.live)
+    weakref.finalize(buf, memory.free, n)
     return buf[GUARD:GUARD + n].view(dtype).reshape(shape).view(FakeArray)
+
+
+class _Memory:
+    """Device bytes held by live arrays, and the most held at once since reset_peak(): what a real device's memory
+    pool would have to hold (arrays are freed when their last reference goes, as CuPy's are)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def free(self, n: int) -> None:
+        self.live -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+memory = _Memory()
 
 
 def check_guards() -> None:
@@ -77,7 +97,9 @@ def asnumpy(a) -> np.ndarray:
 
 
 def matmul(a, b):
-    return np.matmul(a, b).view(FakeArray)
+    out = _alloc(np.broadcast_shapes(a.shape[:-1] + (1,), (1,) * (a.ndim - 1) + b.shape[-1:]),
+                 np.result_type(a, b))
+    return np.matmul(a, b, out=out)
 
 
 maximum = np.maximum
