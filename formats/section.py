@@ -34,6 +34,7 @@ charge. formats/update.py writes sections; readers pin the byte ranges they use 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 import time
@@ -221,54 +222,69 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
     Writers may commit a new section and free the old one's bytes at any moment, so a reader pins a blob before
     reading it, then checks that the directory still names it: a section is freed only after a newer one superseded
     it, and never while pinned. Every read is bounded by the file's size after pinning (a mapped byte past the end
-    of the file would kill the process)."""
+    of the file would kill the process). A slot past the end of `buf` but inside the file as it is now was committed
+    after `buf` was mapped (a writer grew the file): the file is mapped again, rather than taking an older section,
+    or none, as if the newest were broken."""
     d = dir_offset(f.data_end)
     start = d + C.SECTION_DIR_SIZE
+    own = None  # the map made here when the file grew after `buf` was mapped
 
     def slots_raw() -> bytes:
         return bytes(buf[d + SLOT_OFFSETS[0]:d + SLOT_OFFSETS[1] + _SLOT.size])
 
-    for attempt in range(1000):
-        raw = slots_raw()
-        slots = read_slots(buf, d)
-        retry = False
-        problems = []
-        for i in sorted(range(2), key=lambda i: -slots[i].generation):
-            s = slots[i]
-            if s.generation == 0:
+    try:
+        for attempt in range(1000):
+            raw = slots_raw()
+            slots = read_slots(buf, d)
+            retry = grown = False
+            problems = []
+            for i in sorted(range(2), key=lambda i: -slots[i].generation):
+                s = slots[i]
+                if s.generation == 0:
+                    continue
+                if not start <= s.offset <= s.offset + s.nbytes <= len(buf):
+                    if start <= s.offset and s.offset + s.nbytes <= os.fstat(fd).st_size:
+                        grown = True
+                        break
+                    problems.append(f"slot {i} points outside the file ({s.offset}+{s.nbytes}, file {len(buf)})")
+                    continue
+                blob = locks.pin(fd, [(s.offset, s.offset + s.nbytes)])
+                if blob is None or slots_raw() != raw:  # superseded and being freed, or a new commit
+                    retry = True
+                    locks.release(fd, blob or [])
+                    break
+                size = min(os.fstat(fd).st_size, len(buf))
+                try:
+                    sec = load_section(buf, f.path, size, start, i, s)
+                except InvalidSection as e:
+                    locks.release(fd, blob)
+                    problems.append(str(e))
+                    continue
+                outside = [r for r in sec.ranges if r != (s.offset, s.offset + s.nbytes)]
+                more = locks.pin(fd, outside)
+                if more is None or slots_raw() != raw:
+                    locks.release(fd, blob + (more or []))
+                    retry = True
+                    break
+                _merge(f, sec)
+                f.pinned = blob + more
+                if problems:
+                    f.warnings.append(f"{f.path}: newer pinfer section ignored ({'; '.join(problems)})")
+                return
+            if grown:
+                if own is not None:
+                    own.close()
+                own = buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
                 continue
-            if not start <= s.offset <= s.offset + s.nbytes <= len(buf):
-                problems.append(f"slot {i} points outside the file ({s.offset}+{s.nbytes}, file {len(buf)})")
-                continue
-            blob = locks.pin(fd, [(s.offset, s.offset + s.nbytes)])
-            if blob is None or slots_raw() != raw:  # superseded and being freed, or a new commit
-                retry = True
-                locks.release(fd, blob or [])
-                break
-            size = min(os.fstat(fd).st_size, len(buf))
-            try:
-                sec = load_section(buf, f.path, size, start, i, s)
-            except InvalidSection as e:
-                locks.release(fd, blob)
-                problems.append(str(e))
-                continue
-            outside = [r for r in sec.ranges if r != (s.offset, s.offset + s.nbytes)]
-            more = locks.pin(fd, outside)
-            if more is None or slots_raw() != raw:
-                locks.release(fd, blob + (more or []))
-                retry = True
-                break
-            _merge(f, sec)
-            f.pinned = blob + more
-            if problems:
-                f.warnings.append(f"{f.path}: newer pinfer section ignored ({'; '.join(problems)})")
-            return
-        if not retry:
-            if problems:
-                f.warnings.append(f"{f.path}: pinfer section ignored ({'; '.join(problems)})")
-            return
-        time.sleep(min(0.001 * attempt, 0.05))
-    raise PinferError(f"{f.path}: the file's pinfer section keeps changing while it is read; try again")
+            if not retry:
+                if problems:
+                    f.warnings.append(f"{f.path}: pinfer section ignored ({'; '.join(problems)})")
+                return
+            time.sleep(min(0.001 * attempt, 0.05))
+        raise PinferError(f"{f.path}: the file's pinfer section keeps changing while it is read; try again")
+    finally:
+        if own is not None:
+            own.close()
 
 
 def _merge(f: GGUFFile, sec: Section) -> None:

@@ -320,3 +320,29 @@ def test_an_update_waits_for_a_whole_file_write_and_lands_in_the_new_file(tmp_pa
     update.join(30)
     f = open_gguf(p)
     assert f.info("token_embd.weight").shape == (128, 32) and f.get("pinfer.kept") == 1
+
+
+def test_a_reader_whose_map_is_older_than_the_section_remaps(tmp_path):
+    """A reader maps the file, then a writer commits a section past the end of that map (the file grew); the reader
+    maps the file anew and reads the newest section, instead of ignoring it (under load, 1 in ~40 runs of the
+    concurrent-writers test read a model with no section at all: both slots lay past its map)."""
+    import mmap
+
+    from formats.reader import parse_file
+
+    p = model(tmp_path / "m.gguf")
+    update_model(p, set_metadata={"pinfer.a": 1}, set_tensors={"t": np.zeros(100, np.float32)})
+    held = open_gguf(p)  # pins the current section: the next one goes after it
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        update_model(p, set_metadata={"pinfer.a": 2}, set_tensors={"t": np.ones(5000, np.float32)})
+        assert os.fstat(fd).st_size > len(buf)
+        f = parse_file(buf, p, len(buf))
+        S.attach_section(f, buf, fd)
+        assert f.get("pinfer.a") == 2 and not f.warnings, f.warnings
+        assert f.tensors["t"].shape == (5000,)
+        buf.close()
+    finally:
+        os.close(fd)
+    held.close()
