@@ -8,7 +8,8 @@
    powerinfer and cpu (the hybrid executor, runtime/hybrid.py), and once with no GPU at all (the CPU sparse path).
 3. Reports per placement: decode tokens/s, the per-token split (CPU, waiting for the GPU, copies), VRAM used, the
    planner's predicted tokens/s, whether the tokens equal the CPU path's, and the ratios plan/layers and
-   plan/powerinfer.
+   plan/powerinfer; then `timed`: a short extra decode with the device's own compute and copy time per token (CUDA
+   events, runtime/gpu/timing.py), apart from the measured figure because the events cost host time.
 4. Calibrates the cost model on this machine (planner.calibration.calibrate_hybrid): the CPU's effective bandwidth
    on these threads from the CPU-only run, a split layer's cost from the plan run; then every run's prediction with
    both, the runs not fitted on being out of sample, and the two constants as a `pi-plan --hw` file's lines.
@@ -70,6 +71,11 @@ def run(path: Path, gpu: str, placement: str, args) -> dict:
            "prompt_tokens_per_s": round(m.stats.prompt_tps, 2), "sparsity": m.sparsity(),
            "hybrid": rep, "predicted_tokens_per_s": rep["placement"]["predicted_tokens_per_s"] if rep else None}
     res["plan"] = _as_plan(m) if gpu != "none" else None
+    if gpu != "none" and args.timed_tokens:  # once more with the device's own time (CUDA events), not in the figure
+        m.split.timeline = m.transformer.dev.start_timeline()
+        list(m.generate(ids, max_tokens=args.timed_tokens, temperature=0.0))
+        res["timed"] = m.hybrid_report()["per_token"] | {"decode_tokens_per_s": round(m.stats.decode_tps, 3)}
+        m.transformer.dev.timeline = m.split.timeline = None
     del m
     gc.collect()
     if gpu == "cuda":
@@ -146,6 +152,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--timed-tokens", type=int, default=12,
+                    help="then decode this many once more with --gpu-timing's CUDA events (0: not)")
     ap.add_argument("--gpu", default="cuda", help="cuda, or reference (the CPU stand-in: tests this script)")
     ap.add_argument("--placements", default="plan,layers,powerinfer,cpu")
     ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")

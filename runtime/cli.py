@@ -74,6 +74,9 @@ def print_summary(m) -> None:
         if t:
             con.print(f"[bold]split[/]  per token: CPU {t['cpu_ms']:.2f} ms, waiting for the GPU "
                       f"{t['gpu_wait_ms']:.2f} ms, copies {t['transfer_ms']:.2f} ms")
+            if "gpu_compute_ms" in t:
+                con.print(f"[bold]device[/] per token: computing {t['gpu_compute_ms']:.2f} ms, copying "
+                          f"{t['gpu_copy_ms']:.2f} ms (CUDA events)")
 
 
 # Options pi-run and pi-serve share: defined once, so the two commands describe them alike.
@@ -124,6 +127,9 @@ def run(
     placement: PlacementOpt = "plan",
     vram_budget: VramBudget = None,
     kv_type: KvType = "f16",
+    gpu_timing: Annotated[bool, typer.Option("--gpu-timing", help="With a GPU: also measure its own time per token "
+                                             "(computing, copying) with CUDA events; costs a few us of host time "
+                                             "per GPU operation.")] = False,
     perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
                                                          "(windows of --ctx-size, default 512) instead of generating.")]
     = None,
@@ -153,7 +159,7 @@ def run(
 
         say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
-                       placement=placement, vram_budget=vram_budget, kv_type=kv_type, say=say)
+                       placement=placement, vram_budget=vram_budget, kv_type=kv_type, gpu_timing=gpu_timing, say=say)
         if not as_json:
             print_notices(m)
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,

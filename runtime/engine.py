@@ -217,7 +217,7 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
                ffn_act: str | None = None, ffn_mode: str = "auto", progress=None, *, gpu: str = "none",
                placement: str = "plan", vram_budget: float | None = None, kv_type: str = "f16",
-               say=lambda msg: None) -> Model:
+               gpu_timing: bool = False, say=lambda msg: None) -> Model:
     """Open a GGUF/PWRI model and prepare it for generation. The weights stay in the file (memory-mapped, read in
     place by the C++ kernels): loading parses the header and makes views.
 
@@ -227,7 +227,9 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     (predictors pick each token's neurons), "oracle" (exact masks), or "auto" (sparse when the file has predictors).
     gpu: "none", "auto" (a CUDA GPU when CuPy finds one), "cuda" (insist) or "reference" (the CPU stand-in); with a
     GPU, `placement` (plan | layers | powerinfer | cpu | gpu) and `vram_budget` (GiB) decide what runs there, see
-    runtime/placement.py and runtime/hybrid.py. say: receives one-line messages about the choice.
+    runtime/placement.py and runtime/hybrid.py; gpu_timing: also measure the GPU's own time per token (compute,
+    copies) with CUDA events, which costs host time (runtime/gpu/timing.py). say: receives one-line messages about
+    the choice.
     """
     t0 = time.perf_counter()
     if threads is not None and threads < 1:
@@ -248,27 +250,29 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     with torch.inference_mode():
         tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress, kv_type)
     m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices, kv_type=kv_type)
-    _use_gpu(m, gpu, placement, vram_budget, kv_type, say)
+    _use_gpu(m, gpu, placement, vram_budget, kv_type, say, gpu_timing)
     m.stats.load_s = time.perf_counter() - t0
     return m
 
 
-def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, kv_type: str, say) -> None:
+def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, kv_type: str, say,
+             timing: bool = False) -> None:
     """Find the GPU, choose the placement, move its parts there (runtime/hybrid.py)."""
     from . import devices, hybrid
     from . import placement as pl
 
     dev, info, why = devices.acquire(gpu)
     if dev is None:
-        if placement not in ("plan", "cpu") or vram_budget is not None:
-            raise PinferError(f"--placement {placement} and --vram-budget need a GPU, and none can be used: {why}")
+        if placement not in ("plan", "cpu") or vram_budget is not None or timing:
+            raise PinferError(f"--placement {placement}, --vram-budget and --gpu-timing need a GPU, and none can be "
+                              f"used: {why}")
         if _has_plan(m.file):
             m.notices.append(f"the model has a GPU plan, but no GPU can be used ({why}): running on the CPU")
         return
     place = pl.choose(m.file, info, placement=placement, vram_budget_gib=vram_budget, ctx=m.ctx_size,
                       threads=m.threads, kv_type=kv_type, say=say)
     m.vram_bytes = hybrid.device_bytes(m.transformer, place, m.ctx_size)
-    m.split = hybrid.apply(m, place, dev, budget=pl.budget_bytes(info, vram_budget))
+    m.split = hybrid.apply(m, place, dev, budget=pl.budget_bytes(info, vram_budget), timing=timing)
     m.placement, m.gpu = place, info.name
 
 

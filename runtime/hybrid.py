@@ -45,6 +45,7 @@ from planner.memory import GPU_CHUNK
 
 from .ffn_dense import DenseFFN
 from .ffn_sparse import CatsOracleMasker, PredictorMasker, SparseFFN, SparsityStats
+from .gpu.timing import Timeline
 from .linear import Linear
 from .model import Norm, Transformer
 from .placement import GIB, Placement
@@ -59,19 +60,28 @@ ALIGN = 256  # bytes: where each part of a staging buffer starts
 class Split:
     """Host time spent waiting for the GPU (for a result, or an event after a copy) and staging and queueing copies,
     summed over the decode steps since the last reset; the rest of a step's time is CPU work (pi-run --json reports
-    the three per token). Copies are asynchronous, so the time a copy spends on the bus shows as waiting."""
+    the three per token). Copies are asynchronous, so the time a copy spends on the bus shows as waiting. With a
+    timeline (apply(..., timing=True)) also the device's own time: computing and copying, from CUDA events."""
 
     gpu_wait_s: float = 0.0
     transfer_s: float = 0.0
+    timeline: Timeline | None = None
 
     def reset(self) -> None:
         self.gpu_wait_s = self.transfer_s = 0.0
+        if self.timeline is not None:
+            self.timeline.reset()
 
     def per_token(self, total_s: float, steps: int) -> dict:
         n = max(steps, 1)
         cpu = max(total_s - self.gpu_wait_s - self.transfer_s, 0.0)
-        return {"cpu_ms": round(1e3 * cpu / n, 3), "gpu_wait_ms": round(1e3 * self.gpu_wait_s / n, 3),
-                "transfer_ms": round(1e3 * self.transfer_s / n, 3)}
+        out = {"cpu_ms": round(1e3 * cpu / n, 3), "gpu_wait_ms": round(1e3 * self.gpu_wait_s / n, 3),
+               "transfer_ms": round(1e3 * self.transfer_s / n, 3)}
+        if self.timeline is not None:
+            sec = self.timeline.collect()
+            out |= {"gpu_compute_ms": round(1e3 * sec["compute"] / n, 3),
+                    "gpu_copy_ms": round(1e3 * sec["copy"] / n, 3)}
+        return out
 
 
 class _Span:
@@ -415,6 +425,8 @@ class HybridTransformer:
         n = tokens.numel()
         logits = [self._forward(tokens[s:s + GPU_CHUNK], pos + s, all_logits or s + GPU_CHUNK >= n, all_logits)
                   for s in range(0, n, GPU_CHUNK)]
+        if self.bus.split.timeline is not None:  # the pass's work is done: its events are read and reused
+            self.bus.split.timeline.collect()
         return torch.cat([g for g in logits if g is not None]) if all_logits else logits[-1]
 
     def _forward(self, tokens: torch.Tensor, pos: int, head: bool, all_logits: bool) -> torch.Tensor | None:
@@ -548,10 +560,10 @@ def _rows(ffn) -> FFNRows:
     return ffn.w if isinstance(ffn, SparseFFN) else ffn.rows  # DenseFFN, HybridFFN
 
 
-def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Split:
+def apply(model, placement: Placement, dev, *, budget: int | None = None, timing: bool = False) -> Split:
     """Move the parts `placement` puts on the GPU onto `dev` and run the model through a HybridTransformer; returns
-    the Split that accumulates the host's time per category. Raises a one-line PinferError when the parts do not
-    fit `budget`."""
+    the Split that accumulates the host's time per category (with `timing`, the device's too: runtime/gpu/timing.py).
+    Raises a one-line PinferError when the parts do not fit `budget`."""
     from .loader import transposed
 
     tr = model.transformer
@@ -579,4 +591,6 @@ def apply(model, placement: Placement, dev, *, budget: int | None = None) -> Spl
                           f"free the GPU, or pass a lower --vram-budget or --placement layers|cpu") from None
     model.transformer = HybridTransformer(tr, dev, bus, head)
     dev.synchronize()  # the uploads ran on the default stream; the hybrid's own stream does not wait for it
+    if timing:
+        bus.split.timeline = dev.start_timeline()
     return bus.split

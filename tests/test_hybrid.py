@@ -266,6 +266,13 @@ def test_pi_run_reference_device(relu_pwri, monkeypatch, tmp_path):
     code, out = run_cli(path, "-p", "hi there", "-n", "6", "--temp", "0", "--gpu", "none", "--json")
     cpu_tokens = json.loads(out.splitlines()[-1])["tokens"]
     assert outs["plan"] == outs["layers"] == outs["cpu"] == cpu_tokens  # greedy, the same masks on any placement
+    code, out = run_cli(path, "-p", "hi there", "-n", "6", "--temp", "0", "--gpu", "reference", "--gpu-timing",
+                        "--json")
+    r = json.loads(out.splitlines()[-1])
+    assert code == 0 and r["tokens"] == cpu_tokens
+    assert set(r["hybrid"]["per_token"]) == {"cpu_ms", "gpu_wait_ms", "transfer_ms", "gpu_compute_ms", "gpu_copy_ms"}
+    code, out = run_cli(path, "-p", "hi there", "-n", "3", "--gpu", "reference", "--gpu-timing")
+    assert code == 0 and "device per token: computing" in out
 
 
 def test_pi_run_without_gpu_keeps_cpu_and_says_so(relu_pwri, tmp_path):
@@ -273,6 +280,8 @@ def test_pi_run_without_gpu_keeps_cpu_and_says_so(relu_pwri, tmp_path):
     path, _ = relu_pwri
     code, out = run_cli(path, "-p", "hi", "-n", "2", "--gpu", "none", "--placement", "layers")
     assert code != 0 and "need a GPU" in out and len(out.strip().splitlines()) == 1
+    code, out = run_cli(path, "-p", "hi", "-n", "2", "--gpu", "none", "--gpu-timing")
+    assert code != 0 and "--gpu-timing need a GPU" in out and len(out.strip().splitlines()) == 1
 
 
 def test_attention_with_mixed_projection_types(relu_pwri):
@@ -323,3 +332,83 @@ def test_device_memory_for_activations_stays_within_the_planners_workspace(relu_
     bound = gpu_scratch_bytes(cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
                               cfg.vocab_size, 512)
     assert 0 < fake_cupy.memory.peak - loaded <= bound, (fake_cupy.memory.peak - loaded, bound)
+
+
+# --- the device's own time (--gpu-timing) -----------------------------------------------------------------------------
+
+def test_timeline_brackets_each_outermost_operation_once():
+    """One pair of events per call of the device's interface, on the stream a copy names: ffn (ffn_up + ffn_down
+    inside) and predict (matmul + axpy inside) are one operation each, so nothing is counted twice."""
+    from runtime.gpu import CudaDevice
+    from runtime.gpu.timing import Timeline
+    from tests.cuda_emu import fake_cupy
+
+    dev = CudaDevice(cupy=fake_cupy)
+    rng = np.random.default_rng(0)
+    d, n_ff = 64, 96
+    up, gate, down = (rng.standard_normal((n_ff, d)).astype(np.float32) for _ in range(3))
+    ffn = dev.upload_ffn(up, down, "F32", d, np.arange(0, n_ff, 3, dtype=np.int32), act="relu", gate=gate)
+    pred = dev.upload_predictor(rng.standard_normal((16, d)).astype(np.float16),
+                                rng.standard_normal((n_ff, 16)).astype(np.float16))
+    x = dev.asarray(rng.standard_normal((1, d)).astype(np.float32))
+    recorded = []
+
+    class Ev(fake_cupy.cuda.Event):
+        def record(self, stream=None):
+            recorded.append(stream)
+            super().record(stream)
+
+    tl = dev.timeline = Timeline(Ev, lambda a, b: b.t - a.t)
+    dev.ffn(ffn, x, scores=None)
+    dev.predict(pred, x, ids=True)
+    s = dev.stream()
+    dev.to_host_async(x, dev.pinned((1, d)), stream=s)
+    assert [k for k, _, _ in tl._pending] == ["compute", "compute", "copy"]
+    assert recorded == [None] * 4 + [s, s]
+    assert tl.collect()["compute"] > 0 and tl.depth == 0
+    assert not tl._pending and len(tl._free) == 6  # events are reused
+
+
+@pytest.mark.parametrize("device", ["reference", "cuda-emulated"])
+def test_gpu_timing_reports_the_devices_compute_and_copies(relu_pwri, device):
+    """apply(timing=True): the per-token split also has the device's own compute and copy time per decode step,
+    within the step's wall time, and no more than the device spent (checked against each emulated kernel's own
+    duration); the logits are unchanged, and without timing nothing is recorded."""
+    import time as _time
+
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    path, cfg = relu_pwri
+    ids = [5, 9, 200, 31, 7, 11]
+    launched = []
+    if device == "reference":
+        dev = ReferenceDevice()
+    else:
+        class Timed(CudaDevice):  # the emulated kernels' own time, as the device would spend it
+            def _launch(self, *a):
+                t0 = _time.perf_counter()
+                super()._launch(*a)
+                launched.append(_time.perf_counter() - t0)
+
+        dev = Timed(cupy=fake_cupy)
+    want = logits(hybrid_model(path, "sparse", split_placement(cfg, attn_on_gpu=True, output=True)), ids,
+                  decode_from=2)
+    m = load_model(path, ffn_mode="sparse")
+    split = hybrid.apply(m, split_placement(cfg, attn_on_gpu=True, output=True), dev, timing=True)
+    logits(m, ids[:2], decode_from=None)
+    split.reset()
+    launched.clear()
+    t0 = _time.perf_counter()
+    with torch.inference_mode():
+        got = [m.transformer.forward(torch.tensor([ids[p]]), p).numpy() for p in range(2, len(ids))]
+    wall = _time.perf_counter() - t0
+    t = split.per_token(wall, len(ids) - 2)
+    assert {"gpu_compute_ms", "gpu_copy_ms"} <= set(t)
+    assert 0 < t["gpu_compute_ms"] and 0 < t["gpu_copy_ms"]
+    assert (t["gpu_compute_ms"] + t["gpu_copy_ms"]) * (len(ids) - 2) <= 1e3 * wall
+    if launched:
+        assert t["gpu_compute_ms"] * (len(ids) - 2) >= 1e3 * sum(launched) * 0.99
+    np.testing.assert_allclose(np.concatenate(got), want[2:], rtol=0, atol=1e-3 * np.abs(want).max())
+    plain = hybrid.apply(load_model(path, ffn_mode="sparse"), split_placement(cfg, True, True), ReferenceDevice())
+    assert plain.timeline is None and "gpu_compute_ms" not in plain.per_token(1.0, 1)

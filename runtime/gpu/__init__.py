@@ -19,6 +19,8 @@ Memory and transfers
                                         and to pinned() buffers they do not wait (read `out` after an event)
   view(buf, offset, shape, dtype=f32)   an array over bytes offset.. of a uint8 device buffer (no copy)
   copy(src, out), zero(out)             on the device, queued
+  start_timeline() -> Timeline          from now on each operation (and copy) is bracketed by events and its time
+                                        summed by kind (runtime/gpu/timing.py; pi-run --gpu-timing)
 
 Weights (from the file's encoding: numpy uint8 rows or typed arrays; types F32, F16, BF16, Q4_0, Q4_1, Q8_0 by ggml id
 or name, see layout.py; row lengths multiples of 32)
