@@ -49,6 +49,7 @@ def run(path: Path, gpu: str, placement: str, args) -> dict:
     import torch
 
     from runtime import load_model
+    from runtime.gpu.timing import Timeline
 
     notes: list[str] = []
     t0 = time.perf_counter()
@@ -75,7 +76,8 @@ def run(path: Path, gpu: str, placement: str, args) -> dict:
         m.split.timeline = m.transformer.dev.start_timeline()
         list(m.generate(ids, max_tokens=args.timed_tokens, temperature=0.0))
         res["timed"] = m.hybrid_report()["per_token"] | {"decode_tokens_per_s": round(m.stats.decode_tps, 3)}
-        m.transformer.dev.timeline = m.split.timeline = None
+        Timeline.uninstall(m.transformer.dev)
+        m.split.timeline = None
     del m
     gc.collect()
     if gpu == "cuda":

@@ -128,8 +128,8 @@ def run(
     vram_budget: VramBudget = None,
     kv_type: KvType = "f16",
     gpu_timing: Annotated[bool, typer.Option("--gpu-timing", help="With a GPU: also measure its own time per token "
-                                             "(computing, copying) with CUDA events; costs a few us of host time "
-                                             "per GPU operation.")] = False,
+                                             "(computing, copying) with CUDA events; costs host time per GPU "
+                                             "operation.")] = False,
     perplexity_file: Annotated[Path | None, typer.Option("--perplexity", help="Measure perplexity over a text file "
                                                          "(windows of --ctx-size, default 512) instead of generating.")]
     = None,

@@ -358,7 +358,7 @@ def test_timeline_brackets_each_outermost_operation_once():
             recorded.append(stream)
             super().record(stream)
 
-    tl = dev.timeline = Timeline(Ev, lambda a, b: b.t - a.t)
+    tl = Timeline(Ev, lambda a, b: b.t - a.t).install(dev)
     dev.ffn(ffn, x, scores=None)
     dev.predict(pred, x, ids=True)
     s = dev.stream()
@@ -367,6 +367,9 @@ def test_timeline_brackets_each_outermost_operation_once():
     assert recorded == [None] * 4 + [s, s]
     assert tl.collect()["compute"] > 0 and tl.depth == 0
     assert not tl._pending and len(tl._free) == 6  # events are reused
+    Timeline.uninstall(dev)
+    dev.ffn(ffn, x, scores=None)
+    assert dev.timeline is None and not tl._pending and dev.ffn.__func__ is CudaDevice.ffn  # off: the plain methods
 
 
 @pytest.mark.parametrize("device", ["reference", "cuda-emulated"])

@@ -16,7 +16,7 @@ from planner import memory as _mem
 
 from . import layout
 from .sources import source
-from .timing import Timeline, timed
+from .timing import Timeline
 from .weights import GATED, FFNRows, Matrix, PredictorWeights, act_code, gather_rows, predictor_arrays
 
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -77,8 +77,7 @@ class CudaDevice:
     def start_timeline(self) -> Timeline:
         """Time every operation from now on with CUDA events (runtime/gpu/timing.py)."""
         ev = self.cp.cuda
-        self.timeline = Timeline(ev.Event, lambda a, b: ev.get_elapsed_time(a, b) / 1e3)
-        return self.timeline
+        return Timeline(ev.Event, lambda a, b: ev.get_elapsed_time(a, b) / 1e3).install(self)
 
     # ---- kernels
     def _fn(self, module: str, name: str):
@@ -118,12 +117,10 @@ class CudaDevice:
         """A new non-blocking stream; `with stream:` makes it current for the kernels launched inside."""
         return self.cp.cuda.Stream(non_blocking=True)
 
-    @timed("copy", 2)
     def to_device_async(self, host: np.ndarray, out, stream=None):
         out.set(host, stream=stream)
         return out
 
-    @timed("copy", 2)
     def to_host_async(self, a, out: np.ndarray, stream=None) -> np.ndarray:
         """Queue a copy into `out` (page-locked, from pinned()); wait on an event recorded after it before reading."""
         a.get(stream=stream, out=out, blocking=False)
@@ -134,12 +131,10 @@ class CudaDevice:
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return buf[offset:offset + n].view(dtype).reshape(shape)
 
-    @timed("compute")
     def zero(self, out):
         out.fill(0)
         return out
 
-    @timed("compute")
     def copy(self, src, out):
         self.cp.copyto(out, src)
         return out
@@ -171,7 +166,6 @@ class CudaDevice:
                                 self.upload_matrix(b, layout.F16, b.shape[1]), r)
 
     # ---- dense
-    @timed("compute")
     def matmul(self, w: Matrix, x, *, bias=None, out=None, accumulate=False, relu=False):
         """y[T, rows] = x[T, cols] @ W^T (+ bias) (relu) (+ out if accumulate), into out when given."""
         T = x.shape[0]
@@ -211,7 +205,6 @@ class CudaDevice:
                 out[:, r0:r0 + n] = y
         return out
 
-    @timed("compute")
     def dequant_rows(self, w: Matrix, idx=None, dtype=np.float32):
         """Rows idx (device int32, or all) of W decoded, [n, cols] f32 or f16: gathers and prefill GEMM operands."""
         n = w.rows if idx is None else idx.shape[0]
@@ -224,7 +217,6 @@ class CudaDevice:
         return out
 
     # ---- sparse FFN
-    @timed("compute")
     def ffn_up(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
         """h[T, k]: the activations of the GPU rows; 0 where a token's score (original neuron ids) < threshold."""
         T = x.shape[0]
@@ -249,7 +241,6 @@ class CudaDevice:
                           np.float32(-1.0 if cats is None else cats), x[t0:t0 + n], _i32(n), h[t0:t0 + n], _i32(g)))
         return h
 
-    @timed("compute")
     def ffn_down(self, ffn: FFNRows, h, out):
         """out[T, d] += h[T, k] @ down_t (rows whose h is 0 for every token are not read)."""
         return self._axpy(ffn.down, h, out)
@@ -268,7 +259,6 @@ class CudaDevice:
                      (256,), (w.data, np.int64(w.stride), _i32(w.cols), h, _i32(w.rows), _i32(T), out, _i32(rpw)))
         return out
 
-    @timed("compute")
     def ffn(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
         """y[T, d] = FFN of the GPU rows (added into out when given: the CPU part or the residual). From PREFILL_T
         tokens on, GEMMs over dequantised tiles of the rows (_ffn_prefill) instead of the sparse kernels."""
@@ -312,7 +302,6 @@ class CudaDevice:
         # blocks keep atomics a small share of the weight bytes; at least 32 rows (one ballot) per warp.
         return 32 * max(1, -(-k * units // (2 * self.sm_count * 8 * 32)))  # whole ballots of 32 rows
 
-    @timed("compute")
     def predict(self, pred: PredictorWeights, x, *, threshold=0.0, skip=None, ids=False, found=None):
         """scores[T, n_ff] = fc2 @ relu(fc1 @ x); with ids also found, int32 [1 + n_ff]: found[0] = count, then
         the ascending neurons with a score >= threshold for some token and skip == 0 (skip: uint8 [n_ff] or None).
@@ -329,11 +318,9 @@ class CudaDevice:
         return scores, found
 
     # ---- norms, attention, small ops
-    @timed("compute")
     def rms_norm(self, x, w, eps: float, out=None):
         return self._norm("rms_norm", x, (w,), eps, out)
 
-    @timed("compute")
     def layer_norm(self, x, w, b, eps: float, out=None):
         return self._norm("layer_norm", x, (w, _ptr(b)), eps, out)
 
@@ -348,7 +335,6 @@ class CudaDevice:
     def kv_cache(self, n_kv: int, max_ctx: int, head_dim: int):
         return self.zeros((n_kv, max_ctx, head_dim), np.float16), self.zeros((n_kv, max_ctx, head_dim), np.float16)
 
-    @timed("compute")
     def attention(self, q, k, v, cache_k, cache_v, pos: int, *, n_rot=None, neox=False, base=10000.0,
                   rope_scale=1.0, scale=None, out=None):
         """Tokens at positions pos..pos+T-1: RoPE on q [T, n_head, hd] and k [T, n_kv, hd] (in place), k and v
@@ -379,14 +365,12 @@ class CudaDevice:
                      (part, out, _i32(n_head), _i32(hd), _i32(n_chunks)))
         return out
 
-    @timed("compute")
     def add(self, a, b, out=None):
         out = self.empty(a.shape) if out is None else out
         n = a.size
         self._launch("ops", "add_f32", (max(1, min(-(-n // 256), 4096)),), (256,), (a, b, out, np.int64(n)))
         return out
 
-    @timed("compute")
     def gather_rows(self, src, idx, out=None):
         n, cols = idx.shape[0], src.shape[1]
         out = self.empty((n, cols)) if out is None else out

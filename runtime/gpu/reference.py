@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import layout
-from .timing import Timeline, host_timeline, timed
+from .timing import Timeline, host_timeline
 from .weights import GATED, RELU_UP, SILU, FFNRows, Matrix, PredictorWeights, act_code, gather_rows, predictor_arrays
 
 
@@ -43,8 +43,7 @@ class ReferenceDevice:
 
     def start_timeline(self) -> Timeline:
         """Time every operation from now on (synchronous: by the host clock)."""
-        self.timeline = host_timeline()
-        return self.timeline
+        return host_timeline().install(self)
 
     # ---- memory
     def asarray(self, a) -> torch.Tensor:
@@ -68,12 +67,10 @@ class ReferenceDevice:
     def stream(self) -> _Stream:
         return _Stream()
 
-    @timed("copy", 2)
     def to_device_async(self, host: np.ndarray, out: torch.Tensor, stream=None) -> torch.Tensor:
         out.copy_(torch.from_numpy(np.ascontiguousarray(host)))
         return out
 
-    @timed("copy", 2)
     def to_host_async(self, a: torch.Tensor, out: np.ndarray, stream=None) -> np.ndarray:
         out[...] = a.numpy()
         return out
@@ -82,11 +79,9 @@ class ReferenceDevice:
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return torch.from_numpy(buf.numpy()[offset:offset + n].view(dtype).reshape(shape))
 
-    @timed("compute")
     def zero(self, out: torch.Tensor) -> torch.Tensor:
         return out.zero_()
 
-    @timed("compute")
     def copy(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(src)
 
@@ -115,7 +110,6 @@ class ReferenceDevice:
                                 self.upload_matrix(b, layout.F16, b.shape[1]), r)
 
     # ---- dense
-    @timed("compute")
     def matmul(self, w: Matrix, x: torch.Tensor, *, bias=None, out=None, accumulate=False, relu=False) -> torch.Tensor:
         y = x.to(self.dtype) @ w.data.T
         if bias is not None:
@@ -126,13 +120,11 @@ class ReferenceDevice:
             y = y + out.to(self.dtype)
         return self._out(y, out)
 
-    @timed("compute")
     def dequant_rows(self, w: Matrix, idx=None, dtype=np.float32) -> torch.Tensor:
         rows = w.data if idx is None else w.data[idx.long()]
         return rows.to(torch.float16 if np.dtype(dtype) == np.float16 else torch.float32)
 
     # ---- sparse FFN
-    @timed("compute")
     def ffn_up(self, ffn: FFNRows, x: torch.Tensor, *, scores=None, threshold=0.0, cats=None,
                out=None) -> torch.Tensor:
         x = x.to(self.dtype)
@@ -156,18 +148,15 @@ class ReferenceDevice:
             h = torch.where(sel, h, 0)
         return self._out(h, out)
 
-    @timed("compute")
     def ffn_down(self, ffn: FFNRows, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         out += (h.to(self.dtype) @ ffn.down.data).float()
         return out
 
-    @timed("compute")
     def ffn(self, ffn: FFNRows, x: torch.Tensor, *, scores=None, threshold=0.0, cats=None, out=None) -> torch.Tensor:
         if out is None:
             out = self.zeros((x.shape[0], ffn.d))
         return self.ffn_down(ffn, self.ffn_up(ffn, x, scores=scores, threshold=threshold, cats=cats), out)
 
-    @timed("compute")
     def predict(self, pred: PredictorWeights, x: torch.Tensor, *, threshold=0.0, skip=None, ids=False, found=None):
         hid = torch.relu(x.to(self.dtype) @ pred.fc1.data.T)
         scores = (hid @ pred.fc2_t.data).float()
@@ -183,13 +172,11 @@ class ReferenceDevice:
         return scores, found
 
     # ---- norms, attention, small ops
-    @timed("compute")
     def rms_norm(self, x, w, eps: float, out=None) -> torch.Tensor:
         x64 = x.to(self.dtype)
         y = x64 * torch.rsqrt((x64 * x64).mean(-1, keepdim=True) + eps) * w.to(self.dtype)
         return self._out(y, out)
 
-    @timed("compute")
     def layer_norm(self, x, w, b, eps: float, out=None) -> torch.Tensor:
         y = torch.nn.functional.layer_norm(x.to(self.dtype), (x.shape[-1],), w.to(self.dtype),
                                            None if b is None else b.to(self.dtype), eps)
@@ -199,7 +186,6 @@ class ReferenceDevice:
         return (torch.zeros(n_kv, max_ctx, head_dim, dtype=torch.float16),
                 torch.zeros(n_kv, max_ctx, head_dim, dtype=torch.float16))
 
-    @timed("compute")
     def attention(self, q, k, v, cache_k, cache_v, pos: int, *, n_rot=None, neox=False, base=10000.0,
                   rope_scale=1.0, scale=None, out=None) -> torch.Tensor:
         T, n_head, hd = q.shape
@@ -226,11 +212,9 @@ class ReferenceDevice:
         s = s.masked_fill(causal[:, None, :], float("-inf"))
         return self._out(torch.einsum("thp,hpd->thd", s.softmax(-1), vv), out)
 
-    @timed("compute")
     def add(self, a, b, out=None) -> torch.Tensor:
         return self._out(a.to(self.dtype) + b.to(self.dtype), out)
 
-    @timed("compute")
     def gather_rows(self, src, idx, out=None) -> torch.Tensor:
         return self._out(src[idx.long()], out)
 

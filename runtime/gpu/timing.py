@@ -8,14 +8,14 @@ is done (collect(), after the step's result was waited for). On one stream opera
 the sums are the GPU's busy time and its copy time; an operation whose events bracket a kernel that starts late
 (the GPU was idle, waiting for the host) counts that launch latency too.
 
-Costs host time: two event records per operation, ~2-3 us each on CuPy, about as much as the launches themselves;
-hence off unless asked for. On runtime.gpu.ReferenceDevice, whose operations are synchronous, an "event" is the host
+Costs host time: two event records per operation (a driver call each; not yet measured on a GPU) and reading
+them back; hence off unless asked for, and installed on the device instance only then (install()): an untimed device
+runs its plain methods. On runtime.gpu.ReferenceDevice, whose operations are synchronous, an "event" is the host
 clock when it is recorded.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 
 KINDS = ("compute", "copy")
@@ -59,25 +59,37 @@ class Timeline:
         self.collect()
         self.seconds = dict.fromkeys(KINDS, 0.0)
 
+    def install(self, dev) -> Timeline:
+        """Time dev's operations from now on: each is replaced, on this instance only, by one that brackets the
+        outermost call with events on the stream a copy is given, else the current one (an untimed device pays
+        nothing). Returns self, also kept as dev.timeline."""
+        for kind, ops, at in (("compute", COMPUTE_OPS, None), ("copy", COPY_OPS, 2)):
+            for name in ops:
+                setattr(dev, name, _timed(self, kind, getattr(type(dev), name).__get__(dev), at))
+        dev.timeline = self
+        return self
 
-def timed(kind: str, stream_at: int | None = None):
-    """Decorate a device method: with self.timeline set, the outermost call is bracketed by events on the stream it
-    is given (the copies' argument `stream`, at position stream_at after self), else on the current stream."""
+    @staticmethod
+    def uninstall(dev) -> None:
+        for name in COMPUTE_OPS + COPY_OPS:
+            dev.__dict__.pop(name, None)
+        dev.timeline = None
 
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(self, *args, **kw):
-            tl = self.timeline
-            if tl is None or tl.depth:
-                return fn(self, *args, **kw)
-            stream = None
-            if stream_at is not None:
-                stream = kw.get("stream", args[stream_at] if len(args) > stream_at else None)
-            return tl.run(kind, stream, fn, self, *args, **kw)
 
-        return inner
+# The device interface's operations (runtime/gpu/__init__.py), by kind; copies take their stream third.
+COMPUTE_OPS = ("zero", "copy", "matmul", "dequant_rows", "ffn_up", "ffn_down", "ffn", "predict", "rms_norm",
+               "layer_norm", "attention", "add", "gather_rows")
+COPY_OPS = ("to_device_async", "to_host_async")
 
-    return wrap
+
+def _timed(tl: Timeline, kind: str, op, stream_at: int | None):
+    def inner(*args, **kw):
+        if tl.depth:  # called by another timed operation: part of it
+            return op(*args, **kw)
+        stream = kw.get("stream", args[stream_at] if stream_at is not None and len(args) > stream_at else None)
+        return tl.run(kind, stream, op, *args, **kw)
+
+    return inner
 
 
 class HostEvent:
