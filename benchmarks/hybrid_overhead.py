@@ -7,7 +7,9 @@ On a real GPU every device call costs host time of its own (a CuPy launch, ~5-10
 Python adds around them: staging buffers, views, events, the CPU's share of the FFN (tiny here: a 64-wide model with
 192 neurons, half of them the CPU's), per decode step of a split layer. The device is runtime.gpu.ReferenceDevice
 with its compute replaced by returning buffers of the right shape, so the figure is the orchestration alone, on one
-thread. The CPU-only forward of the same model is printed beside it for scale.
+thread. Then the same with runtime.gpu.CudaDevice's own wrappers (argument packing, shape checks, views) around
+kernels that do nothing, over plain numpy arrays: pinfer's whole Python cost per layer, to which a real GPU adds
+CuPy's per launch. The CPU-only forward of the same model is printed beside it for scale.
 """
 
 from __future__ import annotations
@@ -60,6 +62,30 @@ class NullDevice(ReferenceDevice):
         return out if out is not None else self.empty(tuple(a.shape))
 
 
+def null_cuda():
+    """runtime.gpu.CudaDevice whose kernels do nothing, over the tests' CuPy stand-in with plain numpy allocations
+    (no guard bytes): what pinfer's own Python costs around each CuPy launch, CuPy's own costs not included."""
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    class Module:
+        def __init__(self, code, options=()):
+            pass
+
+        def get_function(self, name):
+            if name == "select_active":  # three active CPU neurons, as NullDevice.predict
+                def select(grid, block, args, **kw):
+                    args[6][0], args[5][:3] = 3, (1, 5, 9)
+
+                return select
+            return lambda grid, block, args, **kw: None
+
+    fake_cupy._alloc = lambda shape, dtype: np.empty(shape, dtype).view(fake_cupy.FakeArray)
+    fake_cupy.RawModule = Module
+    fake_cupy.empty = lambda shape, dtype=np.float32: fake_cupy._alloc(shape, dtype)
+    return CudaDevice(cupy=fake_cupy)
+
+
 def per_layer_us(m, steps: int, n_layer: int) -> float:
     tr = m.transformer
     with torch.inference_mode():
@@ -88,15 +114,22 @@ def main() -> None:
         cpu = per_layer_us(load_model(path, ffn_mode="sparse", threads=1), args.steps, L)
         m = load_model(path, ffn_mode="sparse", threads=1)
         half = [np.arange(0, cfg.n_ff, 2, dtype=np.int64)] * L
-        hybrid.apply(m, Placement("split", np.ones(L, bool), np.ones(L, bool), half, True, "benchmark"), NullDevice())
+        place = Placement("split", np.ones(L, bool), np.ones(L, bool), half, True, "benchmark")
+        hybrid.apply(m, place, NullDevice())
         hyb = per_layer_us(m, args.steps, L)
-    res = {"layers": L, "hybrid_us_per_layer": round(hyb, 1), "cpu_path_us_per_layer": round(cpu, 1),
-           "hybrid_ms_per_token": round(hyb * L / 1e3, 2)}
+        m = load_model(path, ffn_mode="sparse", threads=1)
+        hybrid.apply(m, place, null_cuda())
+        cuda = per_layer_us(m, args.steps, L)
+    res = {"layers": L, "hybrid_us_per_layer": round(hyb, 1), "with_cuda_wrappers_us_per_layer": round(cuda, 1),
+           "cpu_path_us_per_layer": round(cpu, 1), "hybrid_ms_per_token": round(hyb * L / 1e3, 2),
+           "with_cuda_wrappers_ms_per_token": round(cuda * L / 1e3, 2)}
     if args.json:
         print(json.dumps(res))
     else:
         print(f"hybrid host cost {hyb:.1f} us per split layer ({hyb * L / 1e3:.2f} ms per token of {L} layers), "
-              f"device compute excluded; the CPU path's whole layer of this tiny model: {cpu:.1f} us")
+              f"device compute excluded; with runtime.gpu.CudaDevice's wrappers around no-op kernels {cuda:.1f} us "
+              f"({cuda * L / 1e3:.2f} ms per token), CuPy's own launch costs excluded; the CPU path's whole layer of "
+              f"this tiny model: {cpu:.1f} us")
 
 
 if __name__ == "__main__":

@@ -534,3 +534,20 @@ def test_attention_long_context_keeps_its_chunk_count(dev, ref, monkeypatch):
     go, wo = on_both(dev, ref, run)
     assert (T, n_head, 3, hd + 2) in shapes, shapes  # the partial sums: 3 chunks, not 5
     assert rel_err(go, wo, np.abs(wo).max()) < 1e-4
+
+
+def test_kernels_are_looked_up_once(monkeypatch):
+    """A launch reuses its kernel object: CuPy's RawModule.get_function makes a new one and asks the driver again
+    on every call, which each kernel of each layer of each token would otherwise repeat."""
+    from tests.cuda_emu import fake_cupy
+
+    calls = []
+    get = fake_cupy.RawModule.get_function
+    monkeypatch.setattr(fake_cupy.RawModule, "get_function", lambda self, name: calls.append(name) or get(self, name))
+    d = CudaDevice(cupy=fake_cupy)
+    a = d.asarray(np.arange(8, dtype=np.float32))
+    for _ in range(3):
+        d.add(a, a)
+    d.rms_norm(a.reshape(2, 4), d.asarray(np.ones(4, np.float32)), 1e-5)
+    assert calls == ["add_f32", "rms_norm"]
+    np.testing.assert_array_equal(d.to_numpy(d.add(a, a)), 2 * np.arange(8))

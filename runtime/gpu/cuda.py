@@ -35,8 +35,7 @@ class GPUUnavailable(RuntimeError):
     """No usable GPU: CuPy missing, no driver, or no device. The message is one line saying which."""
 
 
-def _i32(v) -> np.int32:
-    return np.int32(v)
+_i32 = np.int32  # an int kernel argument (CuPy passes a Python int as a 64-bit one)
 
 
 def _ptr(a):
@@ -68,6 +67,7 @@ class CudaDevice:
         self.sm_count = int(self.device.attributes["MultiProcessorCount"])
         self.name = f"cuda:{device_id} ({self.sm_count} SMs, compute capability {self.device.compute_capability})"
         self._modules: dict[str, object] = {}
+        self._kernels: dict[str, object] = {}  # by kernel name (unique across the modules)
         # Grid shapes: None picks by the rules in _up_group / _down_rows_per_warp; benchmarks/gpu_check.py sweeps
         # them on a real GPU.
         self.up_group: int | None = None
@@ -81,14 +81,18 @@ class CudaDevice:
 
     # ---- kernels
     def _fn(self, module: str, name: str):
-        mod = self._modules.get(module)
-        if mod is None:
-            mod = self.cp.RawModule(code=source(module), options=NVRTC_OPTIONS)
-            self._modules[module] = mod
-        return mod.get_function(name)
+        # Kept per name: CuPy's RawModule.get_function makes a new RawKernel each call and looks the function up in
+        # the driver again (cuModuleGetFunction), which a launch per kernel per layer per token would repeat.
+        fn = self._kernels.get(name)
+        if fn is None:
+            mod = self._modules.get(module)
+            if mod is None:
+                mod = self._modules[module] = self.cp.RawModule(code=source(module), options=NVRTC_OPTIONS)
+            fn = self._kernels[name] = mod.get_function(name)
+        return fn
 
     def _launch(self, module: str, name: str, grid, block, args) -> None:
-        self._fn(module, name)(tuple(grid), tuple(block), tuple(args))
+        self._fn(module, name)(grid, block, args)
 
     # ---- memory
     def asarray(self, a):
@@ -177,6 +181,11 @@ class CudaDevice:
         _check(out, (T, w.rows), "out")
         if T >= PREFILL_T:
             return self._matmul_prefill(w, x, bias, out, accumulate, relu)
+        if T == 1:  # a decode step: one launch over x and out as they are
+            self._launch("gemv", f"gemv_{layout.NAMES[w.ty]}_t1", (-(-w.rows // (4 * _ROWS_T1[w.ty])),), (128,),
+                         (w.data, np.int64(w.stride), _i32(w.cols), _i32(w.rows), x, _ONE, out, _ptr(bias),
+                          _i32(accumulate), _i32(relu)))
+            return out
         for t0 in range(0, T, MAX_T):
             n = min(MAX_T, T - t0)
             tm = 1 if n == 1 else MAX_T
@@ -379,10 +388,14 @@ class CudaDevice:
         return out
 
 
+# quant.cuh's Rows<Q, 1>::R: rows a warp of gemv reads side by side for one token (one for more tokens).
+_ROWS_T1 = {layout.Q4_0: 4, layout.Q4_1: 4, layout.Q8_0: 2, layout.F16: 2, layout.BF16: 2, layout.F32: 1}
+_ONE = np.int32(1)
+
+
 def _rows_per_pass(ty: int, tm: int) -> int:
     """quant.cuh's Rows<Q, TM>::R: rows a warp of gemv reads side by side."""
-    r = {layout.Q4_0: 4, layout.Q4_1: 4, layout.Q8_0: 2, layout.F16: 2, layout.BF16: 2, layout.F32: 1}[ty]
-    return r if tm == 1 else 1
+    return _ROWS_T1[ty] if tm == 1 else 1
 
 
 def _check(a, shape, what: str) -> None:
