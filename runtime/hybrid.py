@@ -191,10 +191,11 @@ class DeviceNorm:
         self.w = dev.asarray(_host(norm.w))
         self.b = None if norm.b is None else dev.asarray(_host(norm.b))
 
-    def __call__(self, x, out=None):
+    def __call__(self, x, out=None, add=None, copy=None):
+        """norm(x); with add, x += add first (in place); with copy, copy = x (after the add). One launch."""
         if self.norm.layer:
-            return self.dev.layer_norm(x, self.w, self.b, self.norm.eps, out=out)
-        return self.dev.rms_norm(x, self.w, self.norm.eps, out=out)
+            return self.dev.layer_norm(x, self.w, self.b, self.norm.eps, out=out, add=add, copy=copy)
+        return self.dev.rms_norm(x, self.w, self.norm.eps, out=out, add=add, copy=copy)
 
 
 class DeviceAttention:
@@ -449,9 +450,9 @@ class HybridTransformer:
 
     def _device_layer(self, li: int, b, x: _Residual, pos: int) -> None:
         dev, att, ffn = self.dev, b.attn_dev, b.ffn
-        xd = self._on_device(self.in_links[li], x)
+        xd, add = self._on_device(self.in_links[li], x)
         T, d = xd.shape
-        xa = att.norm(xd)
+        xa = att.norm(xd, add=add)  # the host's share of the layer before goes into the residual here
         if b.parallel:  # Falcon: the FFN reads the layer input, attention is added after it was read
             o = att.heads(xa, pos)
         else:
@@ -464,12 +465,13 @@ class HybridTransformer:
             parts["found"] = ((1 + hf.n_ff,), np.int32)
         views = link.layout(**parts)
         xf = views.get("xf")
+        r = views.get("r")
         if b.parallel and b.ffn_norm is b.attn_norm:  # Falcon 7B: one norm for both branches
             xf = xa if xf is None else dev.copy(xa, xf)
+            if r is not None:
+                dev.copy(xd, r)
         else:
-            xf = self.ffn_norm[li](xd, out=xf)
-        if cpu_work:
-            dev.copy(xd, views["r"])
+            xf = self.ffn_norm[li](xd, out=xf, copy=r)  # the residual for the host in the same launch
         scores = hf.predict(xd, views.get("found")) if hf is not None and hf.pred is not None else None
         if cpu_work:
             link.fetch()
@@ -492,16 +494,17 @@ class HybridTransformer:
                 dev.add(xd[t], self.ffn_bias[li], out=xd[t])
 
     def _on_device(self, link: Link, x: _Residual):
-        """x on the device, with what the host still had to add: one copy (the whole stream when it was on the
-        host, else the host's share of the last FFN). The stream then lives in the link's device buffer; a link that
-        sends is used once per forward pass, since its host buffer may still be in flight."""
+        """x on the device, and on the device what the host still has to add to it (or None): one copy (the whole
+        stream when it was on the host, else the host's share of the last FFN). The caller's norm adds it into x in
+        its own launch (DeviceNorm add=). The stream then lives in the link's device buffer; a link that sends is
+        used once per forward pass, since its host buffer may still be in flight."""
+        add = None
         if x.dev is None:
             x.dev, x.host = link.put(x=x.host.contiguous())["x"], None
         elif x.pending is not None:
-            p = link.put(p=x.pending.contiguous())["p"]
-            self.dev.add(x.dev, p, out=x.dev)
+            add = link.put(p=x.pending.contiguous())["p"]
             x.pending = None
-        return x.dev
+        return x.dev, add
 
     def _on_host(self, x: _Residual) -> torch.Tensor:
         if x.host is None:
@@ -521,10 +524,11 @@ class HybridTransformer:
         if x.dev is None:  # the stream on the host: the rows the head reads go up
             h = x.host if all_logits else x.host[-1:]
             xd = self.head_in.put(x=h.contiguous())["x"]
-        else:
-            xd = self._on_device(self.head_in, x)
-            xd = xd if all_logits else xd[-1:]
-        return self.head(self.out_norm(xd))
+            return self.head(self.out_norm(xd))
+        xd, add = self._on_device(self.head_in, x)
+        if not all_logits:  # only the last row is read: only its sum is made
+            xd, add = xd[-1:], None if add is None else add[-1:]
+        return self.head(self.out_norm(xd, add=add))
 
 
 class _Residual:

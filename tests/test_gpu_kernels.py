@@ -370,6 +370,32 @@ def test_norms(dev, ref, d, T):
         assert rel_err(g, r, np.abs(r).max()) < TOL
 
 
+@pytest.mark.parametrize("d,T", [(96, 1), (1056, 3), (5120, 2)])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norms_add_into_x_and_copy_it(dev, ref, d, T, kind):
+    """add: x += add first, in place, then the norm of the sum; copy: receives x as normed (after the add). Each on
+    its own and both: what a hybrid layer step does in the launch of its norm."""
+    rng = np.random.default_rng(d + T)
+    x = (rng.standard_normal((T, d)) * 3 + 5).astype(np.float32)
+    p = rng.standard_normal((T, d)).astype(np.float32)
+    w, b = rng.standard_normal(d).astype(np.float32), rng.standard_normal(d).astype(np.float32)
+    for with_add, with_copy in ((True, False), (False, True), (True, True)):
+        def run(D, with_add=with_add, with_copy=with_copy):
+            xx, cp = D.asarray(x), D.zeros((T, d))
+            kw = dict(add=D.asarray(p) if with_add else None, copy=cp if with_copy else None)
+            y = (D.rms_norm(xx, D.asarray(w), 1e-6, **kw) if kind == "rms" else
+                 D.layer_norm(xx, D.asarray(w), D.asarray(b), 1e-5, **kw))
+            return y, xx, cp
+
+        (gy, gx, gc), (ry, rx, rc) = on_both(dev, ref, run)
+        want_x = x + p if with_add else x
+        np.testing.assert_array_equal(gx, want_x)  # the fp32 sum, as add() makes it
+        np.testing.assert_array_equal(gc, want_x if with_copy else 0)
+        assert rel_err(gy, ry, np.abs(ry).max()) < TOL
+        np.testing.assert_array_equal(rx, gx)
+        np.testing.assert_array_equal(rc, gc)
+
+
 def test_add_and_gather(dev, ref):
     rng = np.random.default_rng(7)
     a, b = rng.standard_normal((3, 100)).astype(np.float32), rng.standard_normal((3, 100)).astype(np.float32)

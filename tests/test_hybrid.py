@@ -415,3 +415,34 @@ def test_gpu_timing_reports_the_devices_compute_and_copies(relu_pwri, device):
     np.testing.assert_allclose(np.concatenate(got), want[2:], rtol=0, atol=1e-3 * np.abs(want).max())
     plain = hybrid.apply(load_model(path, ffn_mode="sparse"), split_placement(cfg, True, True), ReferenceDevice())
     assert plain.timeline is None and "gpu_compute_ms" not in plain.per_token(1.0, 1)
+
+
+def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
+    """The kernels a decode step launches per split layer (attention, predictor and half the neurons on the GPU):
+    the host's share of the layer before is added into the residual by the attention norm's launch, and the
+    residual for the host is written by the FFN norm's, not by launches of their own (each CuPy launch costs the
+    host several us, per layer and token)."""
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    launched = []
+
+    class Log(CudaDevice):
+        def _launch(self, module, name, *a):
+            launched.append(name)
+            super()._launch(module, name, *a)
+
+        def copy(self, src, out):  # CuPy's copyto: a launch too
+            launched.append("copyto")
+            return super().copy(src, out)
+
+    path, cfg = relu_pwri
+    m = load_model(path, ffn_mode="sparse")
+    hybrid.apply(m, split_placement(cfg, attn_on_gpu=True, output=True), Log(cupy=fake_cupy))
+    with torch.inference_mode():
+        m.transformer.forward(torch.tensor([5, 9]), 0)
+        launched.clear()
+        m.transformer.forward(torch.tensor([7]), 2)
+    layer = ["rms_norm", "gemv_f32_t1", "rope_kv_store", "attn_partial", "attn_combine", "gemv_f32_t1", "rms_norm",
+             "gemv_f16_t1", "sparse_down_f16_t1", "select_active", "sparse_up_f32_t1", "sparse_down_f32_t1"]
+    assert launched == layer * cfg.n_layer + ["rms_norm", "gemv_f32_t1"], launched  # + the head's

@@ -48,7 +48,8 @@ Compute
       with ids=True -> (scores, found int32 [1 + n_ff]): found[0] = count, then the ascending neurons with a score
       >= threshold for some token and skip[i] == 0 (skip: uint8 [n_ff], e.g. the GPU neurons, so the list is the
       CPU's work), in one buffer so that they cross in one copy; written into `found` when given
-  rms_norm(x, w, eps, out=None), layer_norm(x, w, b or None, eps, out=None)      per row of x [T, d]
+  rms_norm(x, w, eps, out=None, *, add=None, copy=None), layer_norm(x, w, b or None, eps, out=None, ...)
+      per row of x [T, d]; add [T, d]: x += add first (in place); copy [T, d]: receives x (after the add)
   kv_cache(n_kv, max_ctx, head_dim) -> (k, v)          f16 zeros [n_kv, max_ctx, head_dim]
   attention(q[T, n_head, hd], k[T, n_kv, hd], v, cache_k, cache_v, pos, *, n_rot=None, neox=False, base=10000.0,
             rope_scale=1.0, scale=None, out=None) -> [T, n_head, hd]

@@ -327,18 +327,21 @@ class CudaDevice:
         return scores, found
 
     # ---- norms, attention, small ops
-    def rms_norm(self, x, w, eps: float, out=None):
-        return self._norm("rms_norm", x, (w,), eps, out)
+    def rms_norm(self, x, w, eps: float, out=None, *, add=None, copy=None):
+        return self._norm("rms_norm", x, add, (w,), out, copy, eps)
 
-    def layer_norm(self, x, w, b, eps: float, out=None):
-        return self._norm("layer_norm", x, (w, _ptr(b)), eps, out)
+    def layer_norm(self, x, w, b, eps: float, out=None, *, add=None, copy=None):
+        return self._norm("layer_norm", x, add, (w, _ptr(b)), out, copy, eps)
 
-    def _norm(self, name, x, params, eps, out):
+    def _norm(self, name, x, add, params, out, copy, eps):
         T, d = x.shape
         if d % 4:
             raise ValueError(f"norm width {d} is not a multiple of 4")
         out = self.empty((T, d)) if out is None else out
-        self._launch("norm", name, (T,), (256,), (x, *params, out, _i32(d), np.float32(eps)))
+        for a, what in ((add, "add"), (copy, "copy")):
+            if a is not None:
+                _check(a, (T, d), what)
+        self._launch("norm", name, (T,), (256,), (x, _ptr(add), *params, out, _ptr(copy), _i32(d), np.float32(eps)))
         return out
 
     def kv_cache(self, n_kv: int, max_ctx: int, head_dim: int):

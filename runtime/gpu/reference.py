@@ -172,15 +172,23 @@ class ReferenceDevice:
         return scores, found
 
     # ---- norms, attention, small ops
-    def rms_norm(self, x, w, eps: float, out=None) -> torch.Tensor:
-        x64 = x.to(self.dtype)
+    def rms_norm(self, x, w, eps: float, out=None, *, add=None, copy=None) -> torch.Tensor:
+        x64 = self._norm_input(x, add, copy)
         y = x64 * torch.rsqrt((x64 * x64).mean(-1, keepdim=True) + eps) * w.to(self.dtype)
         return self._out(y, out)
 
-    def layer_norm(self, x, w, b, eps: float, out=None) -> torch.Tensor:
-        y = torch.nn.functional.layer_norm(x.to(self.dtype), (x.shape[-1],), w.to(self.dtype),
+    def layer_norm(self, x, w, b, eps: float, out=None, *, add=None, copy=None) -> torch.Tensor:
+        y = torch.nn.functional.layer_norm(self._norm_input(x, add, copy), (x.shape[-1],), w.to(self.dtype),
                                            None if b is None else b.to(self.dtype), eps)
         return self._out(y, out)
+
+    def _norm_input(self, x, add, copy) -> torch.Tensor:
+        """x += add (in place, as add() rounds it), copy = x; x in the reference's precision."""
+        if add is not None:
+            self.add(x, add, out=x)
+        if copy is not None:
+            copy.copy_(x)
+        return x.to(self.dtype)
 
     def kv_cache(self, n_kv: int, max_ctx: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.zeros(n_kv, max_ctx, head_dim, dtype=torch.float16),
