@@ -76,7 +76,7 @@ def print_summary(m) -> None:
                       f"{t['gpu_wait_ms']:.2f} ms, copies {t['transfer_ms']:.2f} ms")
             if "gpu_compute_ms" in t:
                 con.print(f"[bold]device[/] per token: computing {t['gpu_compute_ms']:.2f} ms, copying "
-                          f"{t['gpu_copy_ms']:.2f} ms (CUDA events)")
+                          f"{t['gpu_copy_ms']:.2f} ms")
 
 
 # Options pi-run and pi-serve share: defined once, so the two commands describe them alike.
