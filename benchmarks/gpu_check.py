@@ -174,6 +174,19 @@ def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> N
     record("rms_norm", f"4x{d}", _err(g, r, np.abs(r).max()))
     g, r = both(lambda D, get: get(D.layer_norm(D.asarray(x), D.asarray(w), D.asarray(b), 1e-5)))
     record("layer_norm", f"4x{d}", _err(g, r, np.abs(r).max()))
+    p = rng.standard_normal((4, d)).astype(np.float32)  # the host's share added in, the residual copied out
+
+    def fused(D, get, layer):
+        xx, cp = D.asarray(x), D.zeros((4, d))
+        kw = dict(add=D.asarray(p), copy=cp)
+        y = D.layer_norm(xx, D.asarray(w), D.asarray(b), 1e-5, **kw) if layer else D.rms_norm(xx, D.asarray(w), 1e-5,
+                                                                                                **kw)
+        return get(y), get(xx), get(cp)
+
+    for layer in (False, True):
+        (gy, gx, gc), (ry, rx, rc) = both(lambda D, get, layer=layer: fused(D, get, layer))
+        record("layer_norm+add+copy" if layer else "rms_norm+add+copy", f"4x{d}",
+               max(_err(gy, ry, np.abs(ry).max()), _err(gx, rx, np.abs(rx).max()), _err(gc, rc, np.abs(rc).max())))
 
     # attention: 13B MHA, 70B-style GQA, MQA; decode and a prefill chunk; both RoPE orders
     cases = ((40, 40, 128, False, 1, 0), (40, 40, 128, False, 1, 3000), (64, 8, 128, False, 1, 2047),
