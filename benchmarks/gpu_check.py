@@ -163,6 +163,11 @@ def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> N
 
     (gs, gi), (ws, wi) = both(pred)
     record("predict", f"r=1000 n_ff={n_ff}", _err(gs, ws, np.abs(ws).max()), 1e-4)
+    r_q = 1024  # as stored: a Q4_0 predictor (PowerInfer's quantize), fc1 and fc2 in their encoding
+    q1 = (L.random_rows(rng, L.Q4_0, r_q, d, 0.02), L.Q4_0, d)
+    q2 = (L.random_rows(rng, L.Q4_0, n_ff, r_q, 0.05), L.Q4_0, r_q)
+    gq, wq = both(lambda D, get: get(D.predict(D.upload_predictor(q1, q2), D.asarray(x))))
+    record("predict as stored", f"Q4_0 r={r_q} n_ff={n_ff}", _err(gq, wq, np.abs(wq).max()), 1e-4)
     near = np.abs(ws[0] - 0.5) < 1e-4 * np.abs(ws).max()  # ids may differ only where a score is within rounding
     diff = np.setxor1d(gi, wi)
     record("select_active", f"n_ff={n_ff} ({len(wi)} selected)", float(np.sum(~near[diff])), 0.0)

@@ -46,6 +46,7 @@ from planner.memory import GPU_CHUNK
 from .ffn_dense import DenseFFN
 from .ffn_sparse import CatsOracleMasker, PredictorMasker, SparseFFN, SparsityStats
 from .gpu.timing import Timeline
+from .gpu.weights import STORED_PREDICTOR_TYPES
 from .linear import Linear
 from .model import Norm, Transformer
 from .placement import GIB, Placement
@@ -175,6 +176,28 @@ class Link:
 _NP = {torch.float32: np.float32, torch.int32: np.int32, torch.uint8: np.uint8}
 
 
+def _stored_on_device(pred) -> bool:
+    """Whether the device keeps this predictor as stored (a Q4_0/Q4_1/Q8_0 fc2), not as transposed F16."""
+    return isinstance(pred.fc2, QWeight) and int(pred.fc2.qtype) in STORED_PREDICTOR_TYPES
+
+
+def _upload_predictor(dev, p):
+    if _stored_on_device(p):
+        fc1 = (p.fc1.data.numpy(), int(p.fc1.qtype), p.fc1.cols) if isinstance(p.fc1, QWeight) else \
+            as_float(p.fc1).numpy()
+        return dev.upload_predictor(fc1, (p.fc2.data.numpy(), int(p.fc2.qtype), p.fc2.cols))
+    return dev.upload_predictor(as_float(p.fc1).numpy(), as_float(p.fc2).numpy())
+
+
+def predictor_device_bytes(pred) -> int:
+    """VRAM a predictor takes on the device, in the form _upload_predictor gives it (runtime/gpu/weights.py)."""
+    r, d = pred.fc1.shape if isinstance(pred.fc1, torch.Tensor) else (pred.fc1.rows, pred.fc1.cols)
+    n_ff = pred.fc2.shape[0] if isinstance(pred.fc2, torch.Tensor) else pred.fc2.rows
+    if _stored_on_device(pred):
+        return (pred.fc1.nbytes if isinstance(pred.fc1, QWeight) else 2 * r * d) + pred.fc2.nbytes
+    return 2 * -(-r // 32) * 32 * (d + n_ff)  # F16, hidden units padded to 32
+
+
 def _host(a) -> np.ndarray:
     return np.ascontiguousarray(a.detach().float().numpy() if isinstance(a, torch.Tensor) else a, dtype=np.float32)
 
@@ -293,8 +316,7 @@ class HybridFFN:
         self.host_works = self.cpu_holds or (self.predicted and not pred_on_gpu)  # its neurons, or the mask
         self.pred = None
         if pred_on_gpu and self.predicted:
-            p = self.masker.pred
-            self.pred = dev.upload_predictor(as_float(p.fc1).numpy(), as_float(p.fc2).numpy())
+            self.pred = _upload_predictor(dev, self.masker.pred)
             self.skip = dev.asarray(on_gpu.astype(np.uint8))
             always = self.masker.always
             self.always = None if always is None else dev.asarray(always.numpy().astype(np.int64))
@@ -554,7 +576,7 @@ def device_bytes(tr, placement: Placement, max_ctx: int) -> int:
             total += k * sum(w.row_bytes for w in (rows.gate, rows.up) if w is not None) + k * down_bytes
         masker = getattr(b.ffn, "masker", None)
         if placement.pred[li] and isinstance(masker, PredictorMasker):
-            total += masker.pred.nbytes
+            total += predictor_device_bytes(masker.pred)
     if placement.output:
         total += tr.output.nbytes
     return total

@@ -355,6 +355,31 @@ def test_predictor(dev, ref, r, d, n_ff, T):
         assert 0 < gf[0] < n_ff
 
 
+@pytest.mark.parametrize("ty2", [L.Q4_0, L.Q4_1, L.Q8_0], ids=L.NAMES.get)
+@pytest.mark.parametrize("ty1", [L.Q4_0, L.F16, None], ids=lambda t: "float" if t is None else L.NAMES[t])
+@pytest.mark.parametrize("r,d,n_ff,T", [(64, 96, 256, 1), (32, 1056, 96, 3), (1024, 64, 160, 1)])
+def test_quantised_predictor_stays_as_stored(dev, ref, r, d, n_ff, T, ty1, ty2):
+    """A Q4_0/Q4_1/Q8_0 fc2 (PowerInfer's `quantize` makes Q4_0 predictors) stays in its encoding on the device, with
+    fc1 as stored too (or floats): its bytes, not an F16 copy 2-3.6x larger, and scores equal to the reference's."""
+    rng = np.random.default_rng(r + d + n_ff)
+    raw1 = L.random_rows(rng, ty1, r, d) if ty1 is not None else None
+    fc1 = (raw1, ty1, d) if ty1 is not None else (rng.standard_normal((r, d)) / np.sqrt(d)).astype(np.float32)
+    fc2 = (L.random_rows(rng, ty2, n_ff, r), ty2, r)
+    x = rng.standard_normal((T, d)).astype(np.float32)
+    skip = (rng.random(n_ff) < 0.25).astype(np.uint8)
+    up = dev.upload_predictor(fc1, fc2)
+    assert not up.transposed and up.fc2.ty == ty2 and up.nbytes == (
+        L.row_bytes(ty1 if ty1 is not None else L.F16, d) * r + L.row_bytes(ty2, r) * n_ff)
+    (gs, gf), (ws, wf) = on_both(dev, ref, lambda D: D.predict(D.upload_predictor(fc1, fc2), D.asarray(x),
+                                                               threshold=0.0, skip=D.asarray(skip), ids=True))
+    assert rel_err(gs, ws, np.abs(ws).max()) < TOL
+    gi, wi = gf[1:1 + gf[0]], wf[1:1 + wf[0]]
+    near = (np.abs(ws) < 1e-5 * np.abs(ws).max()).any(0)
+    assert set(np.setxor1d(gi, wi)) <= set(np.flatnonzero(near)) and 0 < gf[0] < n_ff
+    with pytest.raises(ValueError, match="as floats"):
+        dev.upload_predictor(fc1, (rng.standard_normal((n_ff, r)).astype(np.float16), L.F16, r))
+
+
 # ------------------------------------------------------------------ norms and small ops
 
 @pytest.mark.parametrize("d,T", [(96, 1), (1056, 3), (5120, 2)])

@@ -446,3 +446,60 @@ def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
     layer = ["rms_norm", "gemv_f32_t1", "rope_kv_store", "attn_partial", "attn_combine", "gemv_f32_t1", "rms_norm",
              "gemv_f16_t1", "sparse_down_f16_t1", "select_active", "sparse_up_f32_t1", "sparse_down_f32_t1"]
     assert launched == layer * cfg.n_layer + ["rms_norm", "gemv_f32_t1"], launched  # + the head's
+
+
+@pytest.fixture(scope="module")
+def q4_pred_pwri(tmp_path_factory):
+    """The relu PowerInfer model with Q4_0 predictors, as PowerInfer's `quantize` leaves them."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType as T
+
+    from formats.writer import RawTensor
+
+    cfg = tiny_config(ffn_act="relu", n_layer=3, n_ff=192)
+    w = to_powerinfer_layout(cfg, random_weights(cfg, seed=3, scale=0.15), rank=32)
+    for i in range(cfg.n_layer):
+        for name in (C.tensor(C.PRED_FC1, i), C.tensor(C.PRED_FC2, i)):
+            a = w[name].astype(np.float32)
+            w[name] = RawTensor(quants.quantize(a, T.Q4_0), int(T.Q4_0), a.shape)
+    path = tmp_path_factory.mktemp("hybrid") / "q4pred.gguf"
+    counts = {C.tensor(C.ACT_COUNTS, i): np.linspace(100, 1, cfg.n_ff).astype(np.float32) for i in range(3)}
+    write_llama(path, cfg, w | counts, powerinfer=True, extra_metadata={C.ACT_TOKENS: np.uint64(100)})
+    return path, cfg
+
+
+def test_quantised_predictors_stay_quantised_on_the_device(q4_pred_pwri):
+    """Q4_0 predictors on the GPU are held as stored: the VRAM the placement counts (device_bytes) is what the
+    upload allocates, not a third of it (an F16 copy is 3.6x a Q4_0 one), and the model's logits equal the same
+    placement's on the reference device."""
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    path, cfg = q4_pred_pwri
+    place = split_placement(cfg, attn_on_gpu=True, output=False)
+    ids = [5, 9, 200, 31, 7, 11]
+    m = load_model(path, ffn_mode="sparse", ctx_size=64)
+    need = hybrid.device_bytes(m.transformer, place, 64)
+    before = fake_cupy.memory.live
+    hybrid.apply(m, place, CudaDevice(cupy=fake_cupy))
+    held = fake_cupy.memory.live - before
+    preds = [b.ffn.pred for b in m.transformer.blocks]
+    assert all(not p.transposed and p.fc2.ty == 2 for p in preds)  # Q4_0 (ggml type 2), not F16
+    counted = [hybrid.predictor_device_bytes(b.ffn.masker.pred) for b in m.transformer.blocks]
+    assert [p.nbytes for p in preds] == counted == [b.ffn.masker.pred.nbytes for b in m.transformer.blocks]
+    # the layout pads rows to 16 bytes and the device keeps a few small index arrays: within 10% of the count
+    assert need <= held <= 1.1 * need, (need, held)
+    got = logits(m, ids, decode_from=2)
+    want = logits(hybrid_model(path, "sparse", place), ids, decode_from=2)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+def test_float_predictors_counted_as_the_device_holds_them(relu_pwri):
+    """F16 predictors go up transposed with the hidden units padded to 32: device_bytes counts those bytes."""
+    path, cfg = relu_pwri
+    m = load_model(path, ffn_mode="sparse")
+    place = split_placement(cfg, attn_on_gpu=True, output=False)
+    hybrid.apply(m, place, ReferenceDevice())
+    for b in m.transformer.blocks:
+        assert b.ffn.pred.transposed
+        assert hybrid.predictor_device_bytes(b.ffn.masker.pred) == b.ffn.pred.nbytes

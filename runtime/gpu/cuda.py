@@ -17,7 +17,16 @@ from planner import memory as _mem
 from . import layout
 from .sources import source
 from .timing import Timeline
-from .weights import GATED, FFNRows, Matrix, PredictorWeights, act_code, gather_rows, predictor_arrays
+from .weights import (
+    GATED,
+    STORED_PREDICTOR_TYPES,
+    FFNRows,
+    Matrix,
+    PredictorWeights,
+    act_code,
+    gather_rows,
+    predictor_arrays,
+)
 
 NVRTC_OPTIONS = ("--std=c++17",)
 NULL = np.uint64(0)  # a null pointer argument (CuPy passes numpy scalars by value)
@@ -164,7 +173,18 @@ class CudaDevice:
                        self.upload_matrix(up, ty, n_embd, bucket), self.upload_matrix(down_t, down_ty, n_embd, bucket),
                        self.asarray(bucket), bias)
 
-    def upload_predictor(self, fc1: np.ndarray, fc2: np.ndarray) -> PredictorWeights:
+    def upload_predictor(self, fc1, fc2) -> PredictorWeights:
+        """fc1 [r, d] and fc2 [n_ff, r] as float arrays: the transposed F16 form. fc2 as the file's rows, a tuple
+        (raw, type, cols) of one of STORED_PREDICTOR_TYPES: both kept as stored (fc1 a tuple too, or floats)."""
+        if isinstance(fc2, tuple):
+            f2 = self.upload_matrix(*fc2)
+            if f2.ty not in STORED_PREDICTOR_TYPES:
+                raise ValueError(f"an fc2 of type {f2.ty} is uploaded as floats (transposed), not as stored")
+            f1 = self.upload_matrix(*fc1) if isinstance(fc1, tuple) else self.upload_matrix(
+                np.asarray(fc1, np.float16), layout.F16, np.shape(fc1)[1])
+            if f1.rows != f2.cols:
+                raise ValueError(f"predictor fc1 has {f1.rows} rows and fc2 {f2.cols} columns: they do not chain")
+            return PredictorWeights(f1, f2, f1.rows, transposed=False)
         a, b, r = predictor_arrays(fc1, fc2)
         return PredictorWeights(self.upload_matrix(a, layout.F16, a.shape[1]),
                                 self.upload_matrix(b, layout.F16, b.shape[1]), r)
@@ -316,7 +336,10 @@ class CudaDevice:
         the ascending neurons with a score >= threshold for some token and skip == 0 (skip: uint8 [n_ff] or None).
         One buffer (`found`, when given: e.g. part of a staging buffer), so that count and ids cross in one copy."""
         hid = self.matmul(pred.fc1, x, relu=True)
-        scores = self._axpy(pred.fc2_t, hid, self.zeros((x.shape[0], pred.n_ff)))
+        if pred.transposed:
+            scores = self._axpy(pred.fc2, hid, self.zeros((x.shape[0], pred.n_ff)))
+        else:
+            scores = self.matmul(pred.fc2, hid)
         if not ids:
             return scores
         found = self.empty((1 + pred.n_ff,), np.int32) if found is None else found

@@ -15,7 +15,18 @@ import torch
 
 from . import layout
 from .timing import Timeline, host_timeline
-from .weights import GATED, RELU_UP, SILU, FFNRows, Matrix, PredictorWeights, act_code, gather_rows, predictor_arrays
+from .weights import (
+    GATED,
+    RELU_UP,
+    SILU,
+    STORED_PREDICTOR_TYPES,
+    FFNRows,
+    Matrix,
+    PredictorWeights,
+    act_code,
+    gather_rows,
+    predictor_arrays,
+)
 
 
 class _Stream:
@@ -104,7 +115,18 @@ class ReferenceDevice:
                        self.upload_matrix(up, ty, n_embd, bucket), self.upload_matrix(down_t, down_ty, n_embd, bucket),
                        torch.from_numpy(bucket.copy()), bias)
 
-    def upload_predictor(self, fc1: np.ndarray, fc2: np.ndarray) -> PredictorWeights:
+    def upload_predictor(self, fc1, fc2) -> PredictorWeights:
+        """fc1 [r, d] and fc2 [n_ff, r] as float arrays: the transposed F16 form. fc2 as the file's rows, a tuple
+        (raw, type, cols) of one of STORED_PREDICTOR_TYPES: both kept as stored (fc1 a tuple too, or floats)."""
+        if isinstance(fc2, tuple):
+            f2 = self.upload_matrix(*fc2)
+            if f2.ty not in STORED_PREDICTOR_TYPES:
+                raise ValueError(f"an fc2 of type {f2.ty} is uploaded as floats (transposed), not as stored")
+            f1 = self.upload_matrix(*fc1) if isinstance(fc1, tuple) else self.upload_matrix(
+                np.asarray(fc1, np.float16), layout.F16, np.shape(fc1)[1])
+            if f1.rows != f2.cols:
+                raise ValueError(f"predictor fc1 has {f1.rows} rows and fc2 {f2.cols} columns: they do not chain")
+            return PredictorWeights(f1, f2, f1.rows, transposed=False)
         a, b, r = predictor_arrays(fc1, fc2)
         return PredictorWeights(self.upload_matrix(a, layout.F16, a.shape[1]),
                                 self.upload_matrix(b, layout.F16, b.shape[1]), r)
@@ -159,7 +181,7 @@ class ReferenceDevice:
 
     def predict(self, pred: PredictorWeights, x: torch.Tensor, *, threshold=0.0, skip=None, ids=False, found=None):
         hid = torch.relu(x.to(self.dtype) @ pred.fc1.data.T)
-        scores = (hid @ pred.fc2_t.data).float()
+        scores = (hid @ (pred.fc2.data if pred.transposed else pred.fc2.data.T)).float()
         if not ids:
             return scores
         sel = (scores >= threshold).any(0)

@@ -67,16 +67,29 @@ class FFNRows:
 
 @dataclass(eq=False)
 class PredictorWeights:
-    """PowerInfer's predictor, scores = fc2 @ relu(fc1 @ x): fc1 [r_pad, d] and fc2 stored transposed, fc2_t
-    [r_pad, n_ff], both F16, r padded to a multiple of 32 with zero rows (relu(0) = 0, so padding reads nothing)."""
+    """PowerInfer's predictor, scores = fc2 @ relu(fc1 @ x), in one of two forms (runtime/gpu/cuda.py predict):
+    - transposed (a float predictor): fc1 [r_pad, d] and fc2 stored transposed, fc2 = fc2_t [r_pad, n_ff], both F16,
+      r padded to a multiple of 32 with zero rows (relu(0) = 0, so padding reads nothing); scores are an axpy over
+      the rows of the hidden units ReLU keeps (about half of fc2 is read);
+    - as stored (a Q4_0/Q4_1/Q8_0 fc2, as PowerInfer's `quantize` makes): fc1 [r, d] and fc2 [n_ff, r] in their own
+      encodings, scores a GEMV over all of fc2 (a 4-bit fc2 whole is fewer bytes than half of an F16 one, and block
+      rows cannot be transposed without re-quantising)."""
 
     fc1: Matrix
-    fc2_t: Matrix
+    fc2: Matrix
     r: int
+    transposed: bool = True
 
     @property
     def n_ff(self) -> int:
-        return self.fc2_t.cols
+        return self.fc2.cols if self.transposed else self.fc2.rows
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.nbytes + self.fc2.nbytes
+
+
+STORED_PREDICTOR_TYPES = (layout.Q4_0, layout.Q4_1, layout.Q8_0)  # an fc2 of these stays as stored on the device
 
 
 def gather_rows(raw: np.ndarray, ty: int, cols: int, rows: np.ndarray | None) -> np.ndarray:
