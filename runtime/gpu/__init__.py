@@ -30,7 +30,9 @@ or name, see layout.py; row lengths multiples of 32)
       row i = neuron i's output column); bucket: int32 [k] neurons the GPU computes (GPU row j = neuron bucket[j]);
       act: "silu" | "relu" | "drelu" (gated) | "relu_up" | "gelu_up" (gate-less, Falcon/OPT: h = act(up x + b)),
       or codes 0-4 (weights.ACT_CODES); up_bias: fp32 [n_ff] in neuron order (gathered with bucket).
-  upload_predictor(fc1, fc2) -> PredictorWeights   fc1 [r, n_embd], fc2 [n_ff, r] as in PowerInfer's file (F16)
+  upload_predictor(fc1, fc2) -> PredictorWeights   fc1 [r, n_embd], fc2 [n_ff, r] as in PowerInfer's file: float
+      arrays (held as F16, fc2 transposed), or fc2 as the file's rows (raw, type, cols) of Q4_0/Q4_1/Q8_0 (held as
+      stored, fc1 too when given so)
 
 Compute
   matmul(W, x[T, cols], *, bias=None, out=None, accumulate=False, relu=False) -> y[T, rows]
