@@ -130,8 +130,11 @@ def plan_cache_path(fingerprint: str, gpu: str, budget: int, ctx: int, name: str
     return cache_dir() / "plans" / f"{fingerprint}-{safe}-{budget >> 20}MiB-ctx{ctx}-{name}.json"
 
 
-def _stored(f: GGUFFile, gpu: GPUInfo, budget: int, say) -> Placement | None:
-    """The plan in the file, if it fits this model, this GPU and this budget (else None, with the reason said)."""
+def _stored(f: GGUFFile, gpu: GPUInfo, budget: int, say, ctx: int, threads: int, kv_type: str = "f16"
+            ) -> Placement | None:
+    """The plan in the file, if it fits this model, this GPU and this budget at this context (else None, with the
+    reason said)."""
+    from planner.costmodel import evaluate
     from planner.planfile import read_plan
 
     if not any(k.startswith(C.PLAN_PREFIX) for k in f.metadata) and not f.has(C.tensor(C.GPU_IDX, 0)):
@@ -151,6 +154,13 @@ def _stored(f: GGUFFile, gpu: GPUInfo, budget: int, say) -> Placement | None:
             f"planning again")
         return None
     p = stored.plan
+    # pi-plan checked it for its own context and KV type: a longer context's KV cache (and attention scratch) may
+    # no longer leave room for what it put on the GPU
+    ev = evaluate(problem_for(f, gpu, budget, ctx, threads, say, kv_type), p)
+    if not ev.fits:
+        say(f"the plan in the file does not fit {budget / GIB:.2f} GiB with a context of {ctx} "
+            f"({'; '.join(ev.problems)}): planning again")
+        return None
     tps = stored.meta.get(C.PLAN_TOKENS_PER_S)
     return Placement("plan", p.attn > 0, p.pred > 0, [np.asarray(b, np.int64) for b in stored.buckets],
                      bool(p.output), f"the plan in {Path(f.path).name}", float(tps) if tps is not None else None)
@@ -266,7 +276,8 @@ def choose(f: GGUFFile, gpu: GPUInfo, *, placement: str = "plan", vram_budget_gi
     if placement == "cpu":
         return Placement.cpu(int(f.arch_get(C.BLOCK_COUNT)), "--placement cpu")
     if placement == "plan":
-        got = _stored(f, gpu, budget, say) or _sidecar(f, gpu, budget, ctx, threads, say, kv_type)
+        got = _stored(f, gpu, budget, say, ctx, threads, kv_type) or _sidecar(f, gpu, budget, ctx, threads, say,
+                                                                             kv_type)
         if got is not None:
             return got
     return planned(f, gpu, budget, ctx, threads, placement, say, kv_type)

@@ -58,6 +58,19 @@ def test_plan_for_another_gpu_or_more_memory_is_replanned(model):
     assert "GiB of VRAM" in said[0] and "planning again" in said[0] and "pi-plan for rtx4090" in p.source
 
 
+def test_plan_that_a_longer_context_no_longer_fits_is_replanned(model):
+    """pi-plan fitted its plan to its own context; run with a context whose KV cache takes the room the plan's GPU
+    parts had, it is planned again, for this context, in one line."""
+    path, _ = model
+    plan_it(path)
+    said = []
+    p = pl.choose(open_gguf(path), gpu(), vram_budget_gib=0.3, ctx=256, threads=2, say=said.append)
+    assert p.name == "plan" and not said
+    p = pl.choose(open_gguf(path), gpu(), vram_budget_gib=0.3, ctx=2_000_000, threads=2, say=said.append)
+    assert "does not fit 0.30 GiB with a context of 2000000" in said[0], said
+    assert "planning again" in said[0] and p.source.startswith("pi-plan for rtx4090")
+
+
 def test_plan_for_another_model_is_refused(model, tmp_path):
     path, cfg = model
     plan_it(path)
