@@ -511,9 +511,8 @@ class HybridTransformer:
             if b.ffn_bias is not None:
                 y = b.ffn_bias if y is None else y + b.ffn_bias
             x.pending = y
-        elif self.ffn_bias[li] is not None:
-            for t in range(T):
-                dev.add(xd[t], self.ffn_bias[li], out=xd[t])
+        elif self.ffn_bias[li] is not None:  # the down bias of an FFN wholly on the device (OPT), every token at once
+            dev.add(xd, self.ffn_bias[li], out=xd)
 
     def _on_device(self, link: Link, x: _Residual):
         """x on the device, and on the device what the host still has to add to it (or None): one copy (the whole

@@ -225,3 +225,26 @@ def test_cuda_kernels_in_the_executor(tmp_path, arch):
     hybrid.apply(hyb, random_placement(hyb.cfg, 2, pred=True), CudaDevice(cupy=fake_cupy))
     got = logits(hyb, ids, decode_from=2)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("device", ["reference", "cuda-emulated"])
+def test_opt_layers_wholly_on_the_device(tmp_path, device):
+    """An OPT layer on the GPU whole (attention, predictor, every neuron: what --placement layers makes): the FFN's
+    down bias is added on the device, to every token of a chunk; the logits are the CPU's."""
+    from runtime.gpu import CudaDevice
+    from runtime.placement import Placement
+    from tests.cuda_emu import fake_cupy
+
+    hf = H.make_opt(n_ff=128)
+    meta, w = H.opt_metadata(hf), H.opt_tensors(hf)
+    h = hf.config
+    L = h.num_hidden_layers
+    path = H.write(tmp_path / "p.gguf", meta, H.to_powerinfer(w, L, h.hidden_size, 128), powerinfer=True)
+    ids = [5, 9, 200, 31, 7, 11]
+    want = logits(load_model(path, ffn_mode="sparse"), ids, decode_from=3)
+    hyb = load_model(path, ffn_mode="sparse")
+    buckets = [np.arange(128)] + [np.arange(0, 128, 2)] * (L - 1)  # layer 0 whole, the others split
+    place = Placement("test", np.ones(L, bool), np.ones(L, bool), buckets, True, "whole layer 0")
+    hybrid.apply(hyb, place, CudaDevice(cupy=fake_cupy) if device != "reference" else ReferenceDevice())
+    got = logits(hyb, ids, decode_from=3)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()

@@ -429,6 +429,12 @@ def test_add_and_gather(dev, ref):
     ga = dev.asarray(a)
     dev.add(ga, dev.asarray(b), out=ga)  # residual update in place
     np.testing.assert_array_equal(dev.to_numpy(ga), a + b)
+    bias = rng.standard_normal(100).astype(np.float32)  # a bias added to every row, in place
+    g, r = on_both(dev, ref, lambda D: D.add(ga := D.asarray(a), D.asarray(bias), out=ga))
+    np.testing.assert_array_equal(g, a + bias)
+    np.testing.assert_array_equal(r, a + bias)
+    with pytest.raises(ValueError, match="expected"):
+        dev.add(dev.asarray(a), dev.asarray(bias[:50]))
     idx = np.array([2, 2, 0, 1], np.int32)
     g, r = on_both(dev, ref, lambda D: D.gather_rows(D.asarray(a), D.asarray(idx)))
     np.testing.assert_array_equal(g, a[idx])
@@ -534,9 +540,9 @@ def test_kernel_arguments_are_type_checked(dev):
     k = emu.build(source("ops")).get_function("add_f32")
     a = fake_cupy.zeros((4,), np.float32)
     with pytest.raises(TypeError, match="int64"):
-        k((1,), (32,), (a, a, a, np.int32(4)))
+        k((1,), (32,), (a, a, a, np.int32(4), np.int64(4)))
     with pytest.raises(TypeError, match="float64"):
-        k((1,), (32,), (a, a, a.astype(np.float64), np.int64(4)))
+        k((1,), (32,), (a, a, a.astype(np.float64), np.int64(4), np.int64(4)))
 
 
 def test_pinned_and_stream_helpers(dev, ref):

@@ -58,7 +58,8 @@ Compute
       tokens at positions pos..pos+T-1: RoPE (llama pairs (2i, 2i+1), or NeoX halves; the first n_rot dims; angle
       pos / rope_scale * base^(-2i/n_rot)) on q and k IN PLACE, k and v into the caches, then causal attention over
       positions 0..pos+t with GQA (head h reads kv head h // (n_head // n_kv)); scale defaults to 1/sqrt(hd).
-  add(a, b, out=None), gather_rows(src[n, cols], idx, out=None)
+  add(a, b, out=None)                   b of a's shape, or of its last dimension (added to every row)
+  gather_rows(src[n, cols], idx, out=None)
 
 Launch cost: each CuPy launch from Python costs ~10 us of host time, more than most of these kernels take on an
 H200 (10-40 us per layer op), so a decode step should be captured once in a CUDA graph (cupy.cuda.Stream

@@ -401,9 +401,13 @@ class CudaDevice:
         return out
 
     def add(self, a, b, out=None):
+        """a + b, b of a's shape or of its last dimension (added to every row)."""
+        if b.shape != a.shape and b.shape != a.shape[-1:]:
+            raise ValueError(f"add: b has shape {tuple(b.shape)}, expected {tuple(a.shape)} or {tuple(a.shape[-1:])}")
         out = self.empty(a.shape) if out is None else out
         n = a.size
-        self._launch("ops", "add_f32", (max(1, min(-(-n // 256), 4096)),), (256,), (a, b, out, np.int64(n)))
+        self._launch("ops", "add_f32", (max(1, min(-(-n // 256), 4096)),), (256,),
+                     (a, b, out, np.int64(n), np.int64(b.size)))
         return out
 
     def gather_rows(self, src, idx, out=None):

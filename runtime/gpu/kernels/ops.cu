@@ -1,13 +1,15 @@
 // Small elementwise and gather ops on fp32 activations, so a step never leaves the GPU for them.
 //
-// add_f32:         out = a + b (out may be a or b: the residual update in place), n elements, grid-stride.
+// add_f32:         out = a + b (out may be a or b: the residual update in place), n elements, grid-stride; b has
+//                  nb elements, repeated when nb < n (a bias added to every row of a [T, d] array: nb = d).
 // gather_rows_f32: out[i, :] = src[idx[i], :], one block per output row (the prefill gathers of activations;
 //                  weight rows are gathered by gemv.cu's dequant).
 
 #include "quant.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) add_f32(const float* a, const float* b, float* out, i64 n) {
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) out[i] = a[i] + b[i];
+extern "C" __global__ void __launch_bounds__(256) add_f32(const float* a, const float* b, float* out, i64 n, i64 nb) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+    out[i] = a[i] + b[nb == n ? i : i % nb];
 }
 
 extern "C" __global__ void __launch_bounds__(256) gather_rows_f32(const float* __restrict__ src,
