@@ -227,16 +227,22 @@ def test_cuda_kernels_in_the_executor(tmp_path, arch):
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("device", ["reference", "cuda-emulated"])
-def test_opt_layers_wholly_on_the_device(tmp_path, device):
-    """An OPT layer on the GPU whole (attention, predictor, every neuron: what --placement layers makes): the FFN's
-    down bias is added on the device, to every token of a chunk; the logits are the CPU's."""
+def test_layers_wholly_on_the_device(tmp_path, arch, device):
+    """A layer on the GPU whole (attention, predictor, every neuron: what --placement layers makes), beside split
+    ones: OPT's down bias is added on the device, to every token of a chunk; Falcon's parallel block keeps its
+    stream there; the logits are the CPU's."""
     from runtime.gpu import CudaDevice
     from runtime.placement import Placement
     from tests.cuda_emu import fake_cupy
 
-    hf = H.make_opt(n_ff=128)
-    meta, w = H.opt_metadata(hf), H.opt_tensors(hf)
+    if arch == "falcon":
+        hf = H.make_falcon("40b_gqa_relu", d=64, n_ff=128)
+        meta, w = H.falcon_metadata(hf), H.falcon_tensors(hf)
+    else:
+        hf = H.make_opt(n_ff=128)
+        meta, w = H.opt_metadata(hf), H.opt_tensors(hf)
     h = hf.config
     L = h.num_hidden_layers
     path = H.write(tmp_path / "p.gguf", meta, H.to_powerinfer(w, L, h.hidden_size, 128), powerinfer=True)
