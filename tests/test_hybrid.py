@@ -503,3 +503,46 @@ def test_float_predictors_counted_as_the_device_holds_them(relu_pwri):
     for b in m.transformer.blocks:
         assert b.ffn.pred.transposed
         assert hybrid.predictor_device_bytes(b.ffn.masker.pred) == b.ffn.pred.nbytes
+
+
+@pytest.mark.parametrize("device", ["reference", "cuda-emulated"])
+def test_generation_after_a_prompt_of_several_passes(relu_pwri, device):
+    """generate() prefills a prompt longer than GPU_CHUNK in passes whose heads are skipped until the last (their
+    logits are not needed); the tokens equal the CPU's, and so do the following greedy steps."""
+    from planner.memory import GPU_CHUNK
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    path, cfg = relu_pwri
+    ids = [int(t) for t in np.random.default_rng(4).integers(3, cfg.vocab_size, 2 * GPU_CHUNK + 7)]
+    cpu = load_model(path, ffn_mode="sparse", ctx_size=256)
+    want = list(cpu.generate(ids, max_tokens=5, temperature=0.0))
+    m = load_model(path, ffn_mode="sparse", ctx_size=256)
+    hybrid.apply(m, random_placement(cfg, 2), CudaDevice(cupy=fake_cupy) if device != "reference" else
+                 ReferenceDevice())
+    assert list(m.generate(ids, max_tokens=5, temperature=0.0)) == want
+
+
+def test_outlier_neurons_with_the_predictor_on_the_device(tmp_path):
+    """Neurons whose profiled peak is an outlier (act_peak > OUTLIER_FACTOR x the median) are computed for every
+    token whatever the predictor says, on either side: with the predictor on the GPU, the device forces their
+    scores and the CPU adds its own outliers to the ids it gets back."""
+    from runtime.ffn_sparse import OUTLIER_FACTOR
+
+    cfg = tiny_config(ffn_act="relu", n_layer=2, n_ff=192)
+    w = to_powerinfer_layout(cfg, random_weights(cfg, seed=3, scale=0.15))
+    peaks = {}
+    for i in range(cfg.n_layer):
+        pk = np.ones(cfg.n_ff, np.float32)
+        pk[[3, 50, 101, 190]] = 2 * OUTLIER_FACTOR  # outliers on both sides of an even/odd split
+        peaks[C.tensor(C.ACT_PEAK, i)] = pk
+    path = tmp_path / "peaks.gguf"
+    write_llama(path, cfg, w | peaks, powerinfer=True)
+    ids = [5, 9, 200, 31, 7, 11]
+    cpu = load_model(path, ffn_mode="sparse")
+    assert all(b.ffn.masker.always is not None for b in cpu.transformer.blocks)
+    want = logits(cpu, ids, decode_from=2)
+    m = load_model(path, ffn_mode="sparse")
+    hybrid.apply(m, split_placement(cfg, attn_on_gpu=True, output=False), ReferenceDevice())
+    got = logits(m, ids, decode_from=2)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
