@@ -122,3 +122,19 @@ def test_baselines_and_budget_errors(model):
                                            ("Some New Card", 48, None)])
 def test_gpu_names_match_the_table(name, gib, want):
     assert pl.match_gpu_table(name, int(gib * GIB)) == want
+
+
+def test_a_model_without_statistics_on_a_card_the_table_lacks(tmp_path, monkeypatch):
+    """A plain llama.cpp file (no activation statistics) on a GPU the planner's table does not know: planned as a
+    whole-layer offload, said in one line, on a row built from the device's own memory and bandwidth."""
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny_config(ffn_act="relu", n_layer=3, n_ff=192)
+    path = tmp_path / "plain.gguf"
+    write_llama(path, cfg, random_weights(cfg, seed=2))
+    card = pl.GPUInfo("Some New Card", int(1.0 * GIB), int(1.0 * GIB), 700.0, None)
+    assert card.planner_gpu(int(0.8 * GIB)).mem_bw_gbs == 700.0
+    said = []
+    p = pl.choose(open_gguf(path), card, vram_budget_gib=0.8, ctx=256, threads=2, say=said.append)
+    assert any("no activation statistics" in s and "whole-layer offload" in s for s in said), said
+    assert p.name == "plan" and "Some New Card" in p.source
+    assert all(len(b) in (0, cfg.n_ff) for b in p.buckets)  # whole layers' neurons, or none
