@@ -138,3 +138,29 @@ def test_a_model_without_statistics_on_a_card_the_table_lacks(tmp_path, monkeypa
     assert any("no activation statistics" in s and "whole-layer offload" in s for s in said), said
     assert p.name == "plan" and "Some New Card" in p.source
     assert all(len(b) in (0, cfg.n_ff) for b in p.buckets)  # whole layers' neurons, or none
+
+
+def test_the_cuda_device_as_its_driver_describes_it(monkeypatch):
+    """What pi-run takes from CuPy about the GPU: the name (bytes or str, as CuPy versions give it), total and free
+    memory, the bandwidth from the memory clock and bus width when the driver reports them (CUDA 13 no longer
+    does: then None, and the planner's table row or its default serves), and the table row matched by name and
+    memory."""
+    import types
+
+    from runtime import devices
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    props = {"name": b"NVIDIA GeForce RTX 4090", "memoryClockRate": 10_501_000, "memoryBusWidth": 384}
+    rt = types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: dict(props),
+                               memGetInfo=lambda: (20 * GIB, int(23.99 * GIB)))
+    monkeypatch.setattr(fake_cupy.cuda, "runtime", rt)
+    info = devices._cuda_info(CudaDevice(cupy=fake_cupy))
+    assert info.name == "NVIDIA GeForce RTX 4090" and info.table_name == "rtx4090"
+    assert info.total_bytes == int(23.99 * GIB) and info.free_bytes == 20 * GIB
+    assert abs(info.mem_bw_gbs - 1008.0) < 1.0  # 2 x 10.5 GHz x 384 bits
+    props.update(name="NVIDIA H200", memoryClockRate=0)
+    rt.memGetInfo = lambda: (139 * GIB, 140 * GIB)
+    info = devices._cuda_info(CudaDevice(cupy=fake_cupy))
+    assert info.mem_bw_gbs is None and info.table_name == "h200"
+    assert pl.budget_bytes(info, None) <= info.free_bytes
