@@ -252,7 +252,8 @@ class CudaDevice:
         _check(x, (T, ffn.d), "x")
         if scores is not None:
             _check(scores, (T, ffn.n_ff) if scores.ndim == 2 else (ffn.n_ff,), "scores")
-            scores = scores.reshape(T, ffn.n_ff)
+            if scores.ndim == 1:
+                scores = scores.reshape(T, ffn.n_ff)
         h = self.empty((T, ffn.k)) if out is None else out
         _check(h, (T, ffn.k), "out")
         if ffn.k == 0:
@@ -263,11 +264,14 @@ class CudaDevice:
         name = layout.NAMES[ffn.up.ty]
         for t0 in range(0, T, MAX_T):
             n = min(MAX_T, T - t0)
+            # one launch (decode) takes the arrays as they are: each CuPy slice costs the host microseconds
+            xs, hs, ss = (x, h, scores) if n == T else (x[t0:t0 + n], h[t0:t0 + n],
+                                                         None if scores is None else scores[t0:t0 + n])
             self._launch("sparse_ffn", f"sparse_up_{name}_t{1 if n == 1 else MAX_T}", (-(-ffn.k // g),), (32 * warps,),
                          (_ptr(None if ffn.gate is None else ffn.gate.data), ffn.up.data, np.int64(ffn.up.stride),
-                          _i32(ffn.d), ffn.bucket, _i32(ffn.k), _ptr(None if scores is None else scores[t0:t0 + n]),
-                          _i32(ffn.n_ff), np.float32(threshold), _ptr(ffn.bias), _i32(ffn.act),
-                          np.float32(-1.0 if cats is None else cats), x[t0:t0 + n], _i32(n), h[t0:t0 + n], _i32(g)))
+                          _i32(ffn.d), ffn.bucket, _i32(ffn.k), _ptr(ss), _i32(ffn.n_ff), np.float32(threshold),
+                          _ptr(ffn.bias), _i32(ffn.act), np.float32(-1.0 if cats is None else cats), xs, _i32(n), hs,
+                          _i32(g)))
         return h
 
     def ffn_down(self, ffn: FFNRows, h, out):
