@@ -204,12 +204,8 @@ def test_hybrid_equals_cpu(tmp_path, arch, mode):
         assert np.abs(logits(cpu, ids) - H.hf_logits(hf, ids)).max() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_cuda_kernels_in_the_executor(tmp_path, arch):
-    """The real .cu kernels (CPU emulation): NeoX rope / no rope (n_rot 0), biases, LayerNorm, gate-less FFN rows."""
-    from runtime.gpu import CudaDevice
-    from tests.cuda_emu import fake_cupy
-
+def small_pwri(tmp_path, arch: str):
+    """A small Falcon (40B layout) or OPT PowerInfer file of 128 neurons per layer, and its layer count."""
     if arch == "falcon":
         hf = H.make_falcon("40b_gqa_relu", d=64, n_ff=128)
         meta, w = H.falcon_metadata(hf), H.falcon_tensors(hf)
@@ -217,8 +213,17 @@ def test_cuda_kernels_in_the_executor(tmp_path, arch):
         hf = H.make_opt(n_ff=128)
         meta, w = H.opt_metadata(hf), H.opt_tensors(hf)
     h = hf.config
-    path = H.write(tmp_path / "p.gguf", meta, H.to_powerinfer(w, h.num_hidden_layers, h.hidden_size, 128),
-                   powerinfer=True)
+    L = h.num_hidden_layers
+    return H.write(tmp_path / "p.gguf", meta, H.to_powerinfer(w, L, h.hidden_size, 128), powerinfer=True), L
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_kernels_in_the_executor(tmp_path, arch):
+    """The real .cu kernels (CPU emulation): NeoX rope / no rope (n_rot 0), biases, LayerNorm, gate-less FFN rows."""
+    from runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    path, _ = small_pwri(tmp_path, arch)
     ids = [5, 9, 200, 31, 7]
     want = logits(load_model(path, ffn_mode="sparse"), ids, decode_from=2)
     hyb = load_model(path, ffn_mode="sparse")
@@ -237,15 +242,7 @@ def test_layers_wholly_on_the_device(tmp_path, arch, device):
     from runtime.placement import Placement
     from tests.cuda_emu import fake_cupy
 
-    if arch == "falcon":
-        hf = H.make_falcon("40b_gqa_relu", d=64, n_ff=128)
-        meta, w = H.falcon_metadata(hf), H.falcon_tensors(hf)
-    else:
-        hf = H.make_opt(n_ff=128)
-        meta, w = H.opt_metadata(hf), H.opt_tensors(hf)
-    h = hf.config
-    L = h.num_hidden_layers
-    path = H.write(tmp_path / "p.gguf", meta, H.to_powerinfer(w, L, h.hidden_size, 128), powerinfer=True)
+    path, L = small_pwri(tmp_path, arch)
     ids = [5, 9, 200, 31, 7, 11]
     want = logits(load_model(path, ffn_mode="sparse"), ids, decode_from=3)
     hyb = load_model(path, ffn_mode="sparse")

@@ -19,13 +19,12 @@ from .sources import source
 from .timing import Timeline
 from .weights import (
     GATED,
-    STORED_PREDICTOR_TYPES,
     FFNRows,
     Matrix,
     PredictorWeights,
     act_code,
     gather_rows,
-    predictor_arrays,
+    upload_predictor,
 )
 
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -174,20 +173,7 @@ class CudaDevice:
                        self.asarray(bucket), bias)
 
     def upload_predictor(self, fc1, fc2) -> PredictorWeights:
-        """fc1 [r, d] and fc2 [n_ff, r] as float arrays: the transposed F16 form. fc2 as the file's rows, a tuple
-        (raw, type, cols) of one of STORED_PREDICTOR_TYPES: both kept as stored (fc1 a tuple too, or floats)."""
-        if isinstance(fc2, tuple):
-            f2 = self.upload_matrix(*fc2)
-            if f2.ty not in STORED_PREDICTOR_TYPES:
-                raise ValueError(f"an fc2 of type {f2.ty} is uploaded as floats (transposed), not as stored")
-            f1 = self.upload_matrix(*fc1) if isinstance(fc1, tuple) else self.upload_matrix(
-                np.asarray(fc1, np.float16), layout.F16, np.shape(fc1)[1])
-            if f1.rows != f2.cols:
-                raise ValueError(f"predictor fc1 has {f1.rows} rows and fc2 {f2.cols} columns: they do not chain")
-            return PredictorWeights(f1, f2, f1.rows, transposed=False)
-        a, b, r = predictor_arrays(fc1, fc2)
-        return PredictorWeights(self.upload_matrix(a, layout.F16, a.shape[1]),
-                                self.upload_matrix(b, layout.F16, b.shape[1]), r)
+        return upload_predictor(self.upload_matrix, fc1, fc2)
 
     # ---- dense
     def matmul(self, w: Matrix, x, *, bias=None, out=None, accumulate=False, relu=False):

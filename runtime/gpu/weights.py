@@ -98,6 +98,23 @@ def gather_rows(raw: np.ndarray, ty: int, cols: int, rows: np.ndarray | None) ->
     return r if rows is None else r[np.asarray(rows, dtype=np.int64)]
 
 
+def upload_predictor(upload_matrix, fc1, fc2) -> PredictorWeights:
+    """A device's upload_predictor through its upload_matrix. fc1 [r, d] and fc2 [n_ff, r] as float arrays: the
+    transposed F16 form. fc2 as the file's rows, a tuple (raw, type, cols) of one of STORED_PREDICTOR_TYPES: both
+    kept as stored (fc1 a tuple too, or floats)."""
+    if isinstance(fc2, tuple):
+        f2 = upload_matrix(*fc2)
+        if f2.ty not in STORED_PREDICTOR_TYPES:
+            raise ValueError(f"an fc2 of type {f2.ty} is uploaded as floats (transposed), not as stored")
+        f1 = upload_matrix(*fc1) if isinstance(fc1, tuple) else upload_matrix(np.asarray(fc1, np.float16), layout.F16,
+                                                                               np.shape(fc1)[1])
+        if f1.rows != f2.cols:
+            raise ValueError(f"predictor fc1 has {f1.rows} rows and fc2 {f2.cols} columns: they do not chain")
+        return PredictorWeights(f1, f2, f1.rows, transposed=False)
+    a, b, r = predictor_arrays(fc1, fc2)
+    return PredictorWeights(upload_matrix(a, layout.F16, a.shape[1]), upload_matrix(b, layout.F16, b.shape[1]), r)
+
+
 def predictor_arrays(fc1: np.ndarray, fc2: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """fc1 [r, d] and fc2 [n_ff, r] (PowerInfer's layout, any float dtype) -> F16 fc1 [r_pad, d] and
     fc2_t [r_pad, n_ff]."""
