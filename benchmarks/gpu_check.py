@@ -379,6 +379,24 @@ def run_bench(dev, cp, out: list, copy_gbps: float, d: int, n_ff: int) -> None:
             record("gemv", f"{L.NAMES[ty]} {n_ff}x{d} T={T}", t, n_ff * rb)
         layers = relu = ffn = None
         cp.get_default_memory_pool().free_all_blocks()
+    # the predictor, 13B-sized (r = 1024), one token: F16 with fc2 transposed (fc1, then the fc2 rows of the hidden
+    # units ReLU keeps) against Q4_0 as stored (fc1, then all of fc2); bytes are what each reads
+    r_p = 1024
+    xh = rng.standard_normal((1, d)).astype(np.float32)
+    x = dev.asarray(xh)
+    f1 = (rng.standard_normal((r_p, d)) / np.sqrt(d)).astype(np.float16)
+    f2 = (rng.standard_normal((n_ff, r_p)) / np.sqrt(r_p)).astype(np.float16)
+    live = int((f1.astype(np.float32) @ xh[0] > 0).sum())
+    preds = [dev.upload_predictor(f1, f2) for _ in range(COPIES)]
+    t = _time(cp, lambda i: dev.predict(preds[i % COPIES], x), 20)
+    record("predict", f"F16 transposed r={r_p} n_ff={n_ff}", t, r_p * d * 2 + live * n_ff * 2, live_hidden=live)
+    q1 = (L.random_rows(rng, L.Q4_0, r_p, d, 0.02), L.Q4_0, d)
+    q2 = (L.random_rows(rng, L.Q4_0, n_ff, r_p, 0.05), L.Q4_0, r_p)
+    preds = [dev.upload_predictor(q1, q2) for _ in range(COPIES)]
+    t = _time(cp, lambda i: dev.predict(preds[i % COPIES], x), 20)
+    record("predict", f"Q4_0 as stored r={r_p} n_ff={n_ff}", t,
+           L.row_bytes(L.Q4_0, d) * r_p + L.row_bytes(L.Q4_0, r_p) * n_ff)
+    preds = None
     # attention, decode at 4096 positions, 13B MHA: K and V of 40 heads read once
     n_head, hd, ctx = 40, 128, 4096
     kc, vc = dev.kv_cache(n_head, ctx, hd)

@@ -228,3 +228,27 @@ def test_gpu_check_correctness_section_on_the_emulation(ref):
     gpu_check.run_checks(CudaDevice(cupy=fake_cupy), ref, out, 1056, 96, quick=True)
     failed = [c for c in out if not c["pass"]]
     assert len(out) > 60 and not failed, failed
+
+
+@pytest.mark.slow
+def test_gpu_check_benchmark_section_runs_on_the_emulation(monkeypatch):
+    """gpu_check's timed section end to end on the CPU emulation with a stub clock (no CUDA graphs here): a GPU
+    session's few minutes must not be lost to an error in the benchmark's own code. The figures mean nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Pool:
+        def free_all_blocks(self):
+            pass
+
+    monkeypatch.setattr(fake_cupy, "get_default_memory_pool", lambda: Pool(), raising=False)
+    monkeypatch.setattr(gpu_check, "_time", lambda cp, fn, reps: (fn(0), 1e-5)[1])
+    monkeypatch.setattr(gpu_check, "same_size_copy", lambda cp, nbytes, sm: 1.0)
+    out: list = []
+    gpu_check.run_bench(CudaDevice(cupy=fake_cupy), fake_cupy, out, 1000.0, 1056, 160)
+    kernels = {o["kernel"] for o in out}
+    assert {"sparse_up", "sparse_down", "gemv", "predict", "attention"} <= kernels, kernels
+    assert not [o for o in out if "error" in o]
