@@ -252,3 +252,27 @@ def test_gpu_check_benchmark_section_runs_on_the_emulation(monkeypatch):
     kernels = {o["kernel"] for o in out}
     assert {"sparse_up", "sparse_down", "gemv", "predict", "attention"} <= kernels, kernels
     assert not [o for o in out if "error" in o]
+
+
+@pytest.mark.slow
+def test_gpu_e2e_runs_on_the_reference_device(tmp_path, monkeypatch):
+    """make gpu-check's end-to-end script on the CPU stand-in, a tiny planted model: every placement runs, decodes
+    the CPU path's tokens, and reports its device-side split from the timed extra decode."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_e2e
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_e2e.py", "--gpu", "reference", "--shape", "tiny", "--type", "f32",
+                                      "--model", str(tmp_path / "tiny.gguf"), "--rounds", "1", "--tokens", "4",
+                                      "--timed-tokens", "3", "--placements", "plan,layers", "--cpu-last",
+                                      "--threads", "1", "--out", str(out)])
+    gpu_e2e.main()
+    runs = {r["placement"]: r for r in json.loads(out.read_text())["runs"] if r["gpu"] == "reference"}
+    assert set(runs) == {"plan", "layers"} and not [r for r in runs.values() if r.get("error")]
+    assert all(r["tokens_equal_cpu"] for r in runs.values())
+    assert {"gpu_compute_ms", "gpu_copy_ms"} <= set(runs["layers"]["timed"])
