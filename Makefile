@@ -42,7 +42,8 @@ bench: install
 
 # On a machine with an NVIDIA GPU: every CUDA kernel against its CPU reference at Llama-13B sizes and their GB/s
 # (benchmarks/gpu_check.py), then the hybrid executor end to end on a planted Llama2-13B-shaped F16 model with a
-# 12 GiB budget (benchmarks/gpu_e2e.py: plan vs layers, tokens vs the CPU path); both into one file,
+# 12 GiB budget (benchmarks/gpu_e2e.py: plan vs layers, tokens vs the CPU path, and each placement's device-side
+# compute and copy time per token from a short extra decode with CUDA events); both into one file,
 # benchmarks/results/gpu_check.json. GPU machines come with a CUDA torch and CuPy in GPU_PYTHON (default: python3);
 # pinfer's light dependencies go into build/gpu-site, from wheels in .whl/ when there are any (machines without
 # PyPI), else from PyPI.
