@@ -187,19 +187,15 @@ class CudaDevice:
         _check(out, (T, w.rows), "out")
         if T >= PREFILL_T:
             return self._matmul_prefill(w, x, bias, out, accumulate, relu)
-        if T == 1:  # a decode step: one launch over x and out as they are
-            self._launch("gemv", f"gemv_{layout.NAMES[w.ty]}_t1", (-(-w.rows // (4 * _ROWS_T1[w.ty])),), (128,),
-                         (w.data, np.int64(w.stride), _i32(w.cols), _i32(w.rows), x, _ONE, out, _ptr(bias),
-                          _i32(accumulate), _i32(relu)))
-            return out
         for t0 in range(0, T, MAX_T):
             n = min(MAX_T, T - t0)
             tm = 1 if n == 1 else MAX_T
             r = _rows_per_pass(w.ty, tm)
             groups = -(-w.rows // r)
+            xs, ys = (x, out) if n == T else (x[t0:t0 + n], out[t0:t0 + n])  # one launch: no CuPy slices
             self._launch("gemv", f"gemv_{layout.NAMES[w.ty]}_t{tm}", (-(-groups // 4),), (128,),
-                         (w.data, np.int64(w.stride), _i32(w.cols), _i32(w.rows), x[t0:t0 + n], _i32(n),
-                          out[t0:t0 + n], _ptr(bias), _i32(accumulate), _i32(relu)))
+                         (w.data, np.int64(w.stride), _i32(w.cols), _i32(w.rows), xs, _i32(n), ys, _ptr(bias),
+                          _i32(accumulate), _i32(relu)))
         return out
 
     def _matmul_prefill(self, w: Matrix, x, bias, out, accumulate, relu):
@@ -410,7 +406,6 @@ class CudaDevice:
 
 # quant.cuh's Rows<Q, 1>::R: rows a warp of gemv reads side by side for one token (one for more tokens).
 _ROWS_T1 = {layout.Q4_0: 4, layout.Q4_1: 4, layout.Q8_0: 2, layout.F16: 2, layout.BF16: 2, layout.F32: 1}
-_ONE = np.int32(1)
 
 
 def _rows_per_pass(ty: int, tm: int) -> int:
