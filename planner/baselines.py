@@ -50,12 +50,23 @@ def all_baselines(p: Problem) -> dict[str, Baseline]:
                        ("gpu", gpu_plan)):
         plan = make(p)
         if plan is None:
-            out[name] = Baseline(name, None, None, "does not fit")
+            out[name] = Baseline(name, None, None, _no_fit_note(p))
             continue
         ev = evaluate(p, plan)
         note = plan.note if ev.fits else "; ".join(ev.problems)
         out[name] = Baseline(name, plan, ev, note)
     return out
+
+
+def _no_fit_note(p: Problem) -> str:
+    """Why the whole model is not placeable on the GPUs, in bytes (only the gpu baseline can fail)."""
+    if not p.hw.gpus:
+        return "no GPU"
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    need = sum(_layer_bytes(p, l) for l in range(p.model.n_layer)) + p.model.output
+    return f"every layer and the output head need {size(need)}, the GPU budget leaves {size(sum(p.budgets))} for them"
 
 
 def cpu_plan(p: Problem) -> Plan:

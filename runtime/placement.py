@@ -216,7 +216,7 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name
         base = baselines[name]
         if base.plan is None:
             raise PinferError(f"--placement {name} is not possible on {gpu.name} with {budget / GIB:.2f} GiB: "
-                              f"{base.note}")
+                              f"{base.note}; a larger --vram-budget, or --placement plan, runs it")
         plan, tps = base.plan, (1 / base.time if base.time else None)
         source = f"the {name} baseline for {gpu.table_name or gpu.name}, {budget / GIB:.2f} GiB"
     out = Placement.from_plan(plan, p.order, name, source, tps)

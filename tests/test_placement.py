@@ -117,6 +117,22 @@ def test_baselines_and_budget_errors(model):
         pl.choose(f, gpu(), placement="everything", ctx=256, threads=2)
 
 
+def test_whole_model_placement_that_does_not_fit_says_by_how_much(model):
+    """--placement gpu with too little VRAM: the error names what the model needs, what the budget leaves after
+    the workspace, and what to do."""
+    from planner.memory import account
+
+    path, _ = model
+    f = open_gguf(path)
+    ws = account(f, 256).gpu_workspace
+    with pytest.raises(Exception) as e:
+        pl.choose(f, gpu(), placement="gpu", vram_budget_gib=(ws + 100_000) / GIB, ctx=256, threads=2)
+    msg = str(e.value)
+    assert "--placement gpu is not possible" in msg and "MiB, the GPU budget leaves 0.1 MiB for them" in msg, msg
+    assert "a larger --vram-budget" in msg, msg
+    assert pl.choose(f, gpu(), placement="gpu", vram_budget_gib=0.3, ctx=256, threads=2).name == "gpu"
+
+
 @pytest.mark.parametrize("name,gib,want", [("NVIDIA GeForce RTX 4090", 24, "rtx4090"), ("NVIDIA H200", 141, "h200"),
                                            ("NVIDIA A100-SXM4-40GB", 40, "a100-40g"), ("Tesla T4", 15, "t4"),
                                            ("Some New Card", 48, None)])
