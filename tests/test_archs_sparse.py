@@ -17,6 +17,7 @@ from runtime.corpus import HELDOUT
 from runtime.gpu import ReferenceDevice
 from runtime.profile import profile
 from tests import hf_archs as H
+from tests.strict_device import StrictStreams
 from tests.test_hybrid import logits, random_placement
 
 ARCHS = ["falcon", "opt"]
@@ -196,7 +197,7 @@ def test_hybrid_equals_cpu(tmp_path, arch, mode):
     ids = [int(t) for t in np.random.default_rng(7).integers(3, H.VOCAB, 12)]
     for seed in (1, 2):
         hyb = load_model(path, ffn_mode=mode, kv_type="f32")
-        hybrid.apply(hyb, random_placement(cpu.cfg, seed, pred=pred), ReferenceDevice())
+        hybrid.apply(hyb, random_placement(cpu.cfg, seed, pred=pred), StrictStreams())  # CUDA's copy timing
         for decode_from in (None, 4):
             want, got = logits(cpu, ids, decode_from), logits(hyb, ids, decode_from)
             assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), (seed, decode_from)
@@ -233,7 +234,7 @@ def test_cuda_kernels_in_the_executor(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("device", ["reference", "cuda-emulated"])
+@pytest.mark.parametrize("device", ["reference", "strict", "cuda-emulated"])
 def test_layers_wholly_on_the_device(tmp_path, arch, device):
     """A layer on the GPU whole (attention, predictor, every neuron: what --placement layers makes), beside split
     ones: OPT's down bias is added on the device, to every token of a chunk; Falcon's parallel block keeps its
@@ -248,6 +249,7 @@ def test_layers_wholly_on_the_device(tmp_path, arch, device):
     hyb = load_model(path, ffn_mode="sparse")
     buckets = [np.arange(128)] + [np.arange(0, 128, 2)] * (L - 1)  # layer 0 whole, the others split
     place = Placement("test", np.ones(L, bool), np.ones(L, bool), buckets, True, "whole layer 0")
-    hybrid.apply(hyb, place, CudaDevice(cupy=fake_cupy) if device != "reference" else ReferenceDevice())
+    hybrid.apply(hyb, place, {"reference": ReferenceDevice, "strict": StrictStreams}.get(
+        device, lambda: CudaDevice(cupy=fake_cupy))())
     got = logits(hyb, ids, decode_from=3)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()

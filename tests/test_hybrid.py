@@ -3,8 +3,9 @@
 For any placement (random GPU neurons per layer, attention, predictor and output head on either side) the hybrid
 model's logits equal the CPU model's in the same FFN mode, and in exact modes those equal dense: every neuron is
 computed once, on one side, with the same activation rule. The stand-in is runtime.gpu.ReferenceDevice (torch on the
-CPU); tests/test_gpu_kernels.py checks that the CUDA kernels equal it, and one test here runs the CUDA kernels
-themselves (under the CPU emulation of tests/cuda_emu) inside the executor.
+CPU), or tests/strict_device.py's StrictStreams, which adds CUDA's timing rules for copies;
+tests/test_gpu_kernels.py checks that the CUDA kernels equal it, and one test here runs the CUDA kernels themselves
+(under the CPU emulation of tests/cuda_emu) inside the executor.
 """
 
 import numpy as np
@@ -18,6 +19,7 @@ from formats.model_writer import write_llama
 from runtime import hybrid, load_model
 from runtime.gpu import ReferenceDevice
 from runtime.placement import Placement
+from tests.strict_device import StrictStreams
 from tests.tiny import random_weights, tiny_config, to_powerinfer_layout
 
 
@@ -84,7 +86,7 @@ def test_hybrid_equals_cpu(relu_pwri, mode, seed):
     pred = {"sparse-pred-cpu": False, "sparse-pred-gpu": True}.get(mode)
     mode = mode.split("-")[0]
     cpu = load_model(path, ffn_mode=mode)
-    hyb = hybrid_model(path, mode, random_placement(cfg, seed, pred=pred))
+    hyb = hybrid_model(path, mode, random_placement(cfg, seed, pred=pred), StrictStreams())  # CUDA's copy timing
     for decode_from in (None, 4):  # prefill of 12 tokens (two chunks of the 8-token kernels), and single-token decode
         want, got = logits(cpu, ids, decode_from), logits(hyb, ids, decode_from)
         assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), (mode, seed, decode_from)
