@@ -251,8 +251,8 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
     if C.OUTPUT not in by_name and C.TOKEN_EMBD in by_name:
         head.append(by_name[C.TOKEN_EMBD])  # tied: the GPU needs its own copy of the embedding matrix
     host = [t for t in globals_ if t.name == C.TOKEN_EMBD or t not in head]
-    workspace = GPU_WORKSPACE_FIXED + gpu_scratch_bytes(n_layer, n_embd, max(lb.n_ff for lb in layers), n_head,
-                                                        n_head_kv, head_dim, vocab, ctx)
+    workspace = GPU_WORKSPACE_FIXED + gpu_scratch_bytes(n_embd, max(lb.n_ff for lb in layers), n_head, n_head_kv,
+                                                        head_dim, vocab, ctx)
     return ModelBytes(
         path=Path(f.path), name=str(f.get(C.NAME) or Path(f.path).stem), arch=arch,
         quant="+".join(sorted(ffn_types)), n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
@@ -262,19 +262,21 @@ def account(f: GGUFFile, ctx_size: int | None = None, kv_type: int = GGMLQuantiz
         skeleton=bool(f.get(C.SKELETON)), table=table)
 
 
-def gpu_scratch_bytes(n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int,
-                      vocab: int, ctx: int) -> int:
+def gpu_scratch_bytes(n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int, vocab: int,
+                      ctx: int) -> int:
     """The most device memory pinfer's hybrid runtime holds for one forward pass of up to GPU_CHUNK tokens, beyond
     the placed weights and KV caches, whatever the placement (every term at its worst case):
-    - held between passes, per layer: the staging buffers of what crosses the bus (runtime/hybrid.py Link): the
-      residual, the normed input and the FFN's partial sum [T, d] each, a host predictor's mask for the device's
-      rows [T, n_ff], the CPU's active ids [n_ff + 1]; for the head, the rows it reads and its logits [T, vocab];
+    - held between passes, one set for all layers (runtime/hybrid.py Bus.link): the staging buffers of what
+      crosses the bus, one per crossing point: the residual up and down, the host's share up, a device layer's FFN
+      input and residual down, a host layer's FFN input up with a host predictor's mask for the device's rows
+      [T, n_ff], the CPU's active ids [n_ff + 1] (two points), the device's FFN sum down, the head's logits
+      [T, vocab]; twice that, since a buffer that must grow doubles;
     - within a pass, one layer at a time: one tile of dequantised weights for a prefill GEMM, the Q/K/V projections
       and their per-head copies, attention's partial sums [T, n_head, chunks of ctx, head_dim + 2], gate, up and
       activations of the FFN rows [T, n_ff] each, the predictor's scores [T, n_ff] and hidden units, logits."""
     T, f32, align = GPU_CHUNK, 4, 256
     qkv = (n_head + 2 * n_head_kv) * head_dim
-    links = n_layer * (f32 * (3 * T * n_embd + T * n_ff + n_ff + 1) + 8 * align) + f32 * T * (vocab + 2 * n_embd)
+    links = 2 * (f32 * (T * (7 * n_embd + n_ff + vocab) + 2 * (n_ff + 1)) + 12 * align)
     largest = f32 * n_embd * max(3 * n_ff, vocab, qkv, n_head * head_dim)  # a tile never exceeds its matrices
     chunks = min(ATTN_MAX_CHUNKS, -(-ctx // ATTN_CHUNK))
     per_pass = min(DEQUANT_TILE_BYTES, largest) + f32 * T * (2 * qkv + n_head * chunks * (head_dim + 2)
