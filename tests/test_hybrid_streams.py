@@ -71,10 +71,10 @@ def test_prompts_in_passes_and_decoding_keep_cudas_copy_order(relu_pwri, placeme
     every copy landing before it is read and no buffer refilled under a copy."""
     path, cfg = relu_pwri
     ids = [int(t) for t in np.random.default_rng(11).integers(3, cfg.vocab_size, 2 * GPU_CHUNK + 5)]
-    cpu = load_model(path, ffn_mode=mode, ctx_size=256)
+    cpu = load_model(path, ffn_mode=mode, ctx_size=512)
     want = list(cpu.generate(ids, max_tokens=4, temperature=0.0))
     dev = StrictStreams()
-    m = load_model(path, ffn_mode=mode, ctx_size=256)
+    m = load_model(path, ffn_mode=mode, ctx_size=512)
     hybrid.apply(m, PLACEMENTS[placement](cfg), dev)
     assert list(m.generate(ids, max_tokens=4, temperature=0.0)) == want
     assert dev.landed["up"] and dev.landed["down"]
