@@ -109,7 +109,7 @@ class Bus:
         """The staging buffers for one crossing point of a layer, shared by every layer: layers run one after
         another, and each consumes what it fetched and has waited past what it sent before the next one refills the
         same buffers (tests/strict_device.py checks this under CUDA's timing rules). One set per role instead of one
-        per layer: on a 70B model, ~550 MB of VRAM and as much page-locked memory less."""
+        per layer: a 70B model's sets for 32-token passes held ~550 MB of VRAM, and as much page-locked memory."""
         got = self._links.get(role)
         if got is None:
             got = self._links[role] = Link(self)
@@ -452,8 +452,8 @@ class HybridTransformer:
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
         # GPU_CHUNK tokens at a time: the device's buffers for activations grow with the tokens of a pass, and the
-        # planner kept only gpu_scratch_bytes free for them (a 512-token pass held 1.4 GB of staging buffers on a
-        # 13B model). The KV caches make passes over consecutive chunks one pass; the head reads only the last.
+        # planner kept only gpu_scratch_bytes free for them (by that bound a 13B model's 4096-token prompt in one pass
+        # would take 6.5 GB). The KV caches make passes over consecutive chunks one pass; the head reads only the last.
         n = tokens.numel()
         logits = [self._forward(tokens[s:s + GPU_CHUNK], pos + s, all_logits or s + GPU_CHUNK >= n, all_logits)
                   for s in range(0, n, GPU_CHUNK)]
