@@ -365,6 +365,8 @@ def test_staging_buffers_do_not_grow_with_the_layers(tmp_path):
     assert 0 < held[2] == held[6], held
 
 
+# --- the device's own time (--gpu-timing) -----------------------------------------------------------------------------
+
 def test_timeline_brackets_each_outermost_operation_once():
     """One pair of events per call of the device's interface, on the stream a copy names: ffn (ffn_up + ffn_down
     inside) and predict (matmul + axpy inside) are one operation each, so nothing is counted twice."""
