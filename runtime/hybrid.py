@@ -494,7 +494,7 @@ class HybridTransformer:
         parts = {"xf": ((T, d), np.float32), "r": ((T, d), np.float32)} if cpu_work else {}
         if hf is not None and hf.pred is not None and hf.cpu_holds:
             parts["found"] = ((1 + hf.n_ff,), np.int32)
-        views = link.layout(**parts) if cpu_work else {}
+        views = link.layout(**parts) if parts else {}
         xf = views.get("xf")
         r = views.get("r")
         if b.parallel and b.ffn_norm is b.attn_norm:  # Falcon 7B: one norm for both branches

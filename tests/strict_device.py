@@ -63,7 +63,7 @@ class StrictStreams(ReferenceDevice):
         super().__init__()
         self.seq = 0  # copies queued so far; an event is the count when it was recorded
         self._down: list[tuple] = []  # (seq, out, the value it will get, whether out must still be poison)
-        self._up: list[tuple[int, np.ndarray, np.ndarray]] = []  # (seq, host bytes, their value when queued)
+        self._up: list[tuple[int, np.ndarray, np.ndarray | None]] = []  # (seq, host bytes, their value when queued)
         self._current: list[_Stream] = []
         self.landed = {"up": 0, "down": 0}  # copies checked and landed, so that a test sees this device worked
 
