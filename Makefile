@@ -51,13 +51,13 @@ GPU_PYTHON ?= python3
 GPU_SITE = build/gpu-site
 gpu-check:
 	$(GPU_PYTHON) -m pip install -q --no-deps --target $(GPU_SITE) $(if $(wildcard .whl/*.whl),--no-index .whl/*.whl,gguf pulp)
-	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
-	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) benchmarks/gpu_e2e.py --rounds 1 --placements plan,layers --cpu-last \
+	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_e2e.py --rounds 1 --placements plan,layers --cpu-last \
 	  --deadline 150 --merge-into benchmarks/results/gpu_check.json
 
 lint: install
 	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check formats runtime planner tests benchmarks
+	$(BIN)/ruff check src tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

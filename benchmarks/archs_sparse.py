@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 
 from benchmarks.e2e_sparse import PROMPT_TOKENS, add_run_args, agreement, dense_twin, lockstep  # noqa: E402
 
@@ -48,8 +48,8 @@ def paths(arch: str, args) -> tuple[Path, Path]:
 
 
 def ensure_models(arch: str, args) -> tuple[Path, Path]:
-    from formats.reader import open_gguf
-    from synth import SynthSpec, generate
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.synth import SynthSpec, generate
 
     path, twin = paths(arch, args)
     if not path.exists():
@@ -63,7 +63,7 @@ def ensure_models(arch: str, args) -> tuple[Path, Path]:
         print(f"  {res.n_params / 1e9:.2f}B parameters in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     if not open_gguf(path).has("blk.0.fc1.weight"):
         print("training predictors (pi-profile --train-predictors) ...", file=sys.stderr)
-        cmd = [sys.executable, "-m", "runtime.profile_cli", str(path), "--train-predictors", "--recall",
+        cmd = [sys.executable, "-m", "pinfer_llm.cli.profile", str(path), "--train-predictors", "--recall",
                str(args.recall), "-t", str(args.threads)]
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout stays this script's (--json)
     if not twin.exists():
@@ -73,8 +73,9 @@ def ensure_models(arch: str, args) -> tuple[Path, Path]:
 
 
 def measure(arch: str, args) -> dict:
-    from runtime import cpu_kernels, load_model
-    from runtime.corpus import HELDOUT
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+    from pinfer_llm.runtime.profiling.corpus import HELDOUT
 
     path, twin = ensure_models(arch, args)
     ctx = max(256, args.agree_tokens + 8, PROMPT_TOKENS + args.tokens + 8)

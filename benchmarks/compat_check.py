@@ -8,8 +8,8 @@ The engines are given, never built here. On copies of the models (the originals 
 Each engine's output is compared twice: greedy text (identical), and every chunk's perplexity over a held-out text
 (PowerInfer's `perplexity`, llama.cpp's `llama-perplexity`, found beside the given binaries), which depends on all
 logits; PowerInfer's vary a little between runs of one unchanged file, so they must agree within that spread.
-- PWRI model (default: `python -m synth --preset tiny --dtype f16`, a ReluLLaMA-shaped PowerInfer file (its sparse
-  kernels take F16 and Q4_0 only), with predictors from
+- PWRI model (default: `python -m pinfer_llm.synth --preset tiny --dtype f16`, a ReluLLaMA-shaped PowerInfer file
+  (its sparse kernels take F16 and Q4_0 only), with predictors from
   `pi-profile --train-predictors -o`, which puts them into the copy's header where PowerInfer looks; a given file
   whose header holds an earlier pinfer's tensors is first copied with formats.update.write_copy): PowerInfer's `main`
   generates greedily from the untouched file, then after `pi-profile` (in place), `pi-profile --train-predictors`
@@ -39,7 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
 BIN = Path(sys.executable).parent
 
@@ -88,7 +89,7 @@ class Engines:
         greedy text from a small synthetic model can be the same token over and over."""
         text = model.parent / "ppl.txt"
         if not text.exists():
-            corpus = Path(__file__).resolve().parent.parent / "runtime/corpus/heldout.txt"
+            corpus = Path(__file__).resolve().parent.parent / "src/pinfer_llm/runtime/profiling/corpus/heldout.txt"
             text.write_text(corpus.read_text(encoding="utf-8")[:6000], encoding="utf-8")
         r = run([binary, "-m", model, "-f", text, "-c", 128, "-b", 128, "-t", self.args.threads],
                 cwd=str(model.parent))
@@ -126,7 +127,7 @@ def model_bytes_digest(path: Path) -> str:
     """sha256 of the model's own bytes: header and tensor data (what other engines read)."""
     import hashlib
 
-    from formats.reader import open_gguf
+    from pinfer_llm.formats.reader import open_gguf
 
     f = open_gguf(path)
     h = hashlib.sha256()
@@ -228,9 +229,9 @@ def pinfer(tool: str, *args) -> dict:
 
 
 def check_pwri(rep: Report, eng: Engines, args, work: Path) -> None:
-    from formats.gpuidx import read_gpuidx
-    from formats.reader import open_gguf
-    from formats.update import pinfer_only, write_copy
+    from pinfer_llm.formats.gpuidx import read_gpuidx
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.formats.update import pinfer_only, write_copy
 
     model = work / "pwri.gguf"
     if args.pwri:
@@ -245,7 +246,7 @@ def check_pwri(rep: Report, eng: Engines, args, work: Path) -> None:
         del src
     else:  # a synthetic ReluLLaMA with predictors pinfer trains; the copy puts them where PowerInfer looks
         synth = work / "synth.gguf"
-        r = run([sys.executable, "-m", "synth", synth, "--preset", "tiny", "--dtype", "f16"])
+        r = run([sys.executable, "-m", "pinfer_llm.synth", synth, "--preset", "tiny", "--dtype", "f16"])
         if r["rc"] == 0:
             r = pinfer("pi-profile", synth, "--train-predictors", "--tokens", args.train_tokens, "-o", model, "--json")
         rep.add("pwri", "make model", "synth tiny + pi-profile -tp -o", r["rc"] == 0, last_error(r) if r["rc"] else "")
@@ -285,7 +286,7 @@ def check_pwri(rep: Report, eng: Engines, args, work: Path) -> None:
 
 def check_export_split(rep: Report, src: Path, model: Path, ours: Path, work: Path) -> None:
     """PowerInfer's own exporter (its gguf-py) writes a .gpuidx; pinfer writes the same placement: same bytes?"""
-    from formats.gpuidx import read_gpuidx, write_gpuidx
+    from pinfer_llm.formats.gpuidx import read_gpuidx, write_gpuidx
 
     act = work / "activation"
     r = pinfer("pi-profile", model, "--export-activations", act)
@@ -311,7 +312,7 @@ def check_export_split(rep: Report, src: Path, model: Path, ours: Path, work: Pa
 
 
 def check_gguf(rep: Report, eng: Engines, args, work: Path) -> None:
-    from runtime.engine import resolve_model_path
+    from pinfer_llm.runtime.engine import resolve_model_path
 
     model = work / "model.gguf"
     shutil.copyfile(resolve_model_path(args.gguf), model)
@@ -332,7 +333,7 @@ def main() -> None:
     ap.add_argument("--powerinfer", help="PowerInfer's main binary")
     ap.add_argument("--llama", help="llama.cpp's llama-simple or llama-cli binary")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed (default: this one, if it has it)")
-    ap.add_argument("--pwri", help="PWRI model to check (default: python -m synth --preset tiny)")
+    ap.add_argument("--pwri", help="PWRI model to check (default: python -m pinfer_llm.synth --preset tiny)")
     ap.add_argument("--gguf", default="smollm2", help="standard GGUF model to check (default: smollm2)")
     ap.add_argument("--powerinfer-src", help="PowerInfer's source tree: compare with its export_split.py")
     ap.add_argument("--workdir", help="where the copies go (default: a temporary directory, removed)")

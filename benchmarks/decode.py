@@ -31,21 +31,22 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
 PROMPT = "Once upon a time"
 
 
 def long_prompt(n: int) -> str:
     """Held-out prose long enough for an n-token prompt (each engine cuts its own ids to n)."""
-    from runtime.corpus import HELDOUT
+    from pinfer_llm.runtime.profiling.corpus import HELDOUT
 
     text = HELDOUT.read_text()
     return (text * (1 + 8 * n // max(len(text), 1)))[:8 * n]
 
 
 def worker_pinfer(model: str, threads: int, tokens: int, prompt: str, prefill: int, depth: int) -> dict:
-    from runtime import load_model
+    from pinfer_llm.runtime import load_model
 
     t0 = time.perf_counter()
     m = load_model(model, threads=threads, ctx_size=max(512, prefill + 16, depth + tokens + 16))
@@ -151,7 +152,7 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    from runtime.engine import resolve_model_path
+    from pinfer_llm.runtime.engine import resolve_model_path
 
     args.model = str(resolve_model_path(args.model))
     engines, missing = ["pinfer"], {}

@@ -18,7 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_TREE = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
 
 def main() -> None:
@@ -31,11 +32,12 @@ def main() -> None:
                     "transpose does) instead of Q8_0")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from runtime import load_model, qops
-    from runtime.corpus import HELDOUT
-    from runtime.loader import transposed
-    from runtime.perplexity import perplexity
-    from runtime.weights import quantize_like
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.cpu import qops
+    from pinfer_llm.runtime.loader import transposed
+    from pinfer_llm.runtime.perplexity import perplexity
+    from pinfer_llm.runtime.profiling.corpus import HELDOUT
+    from pinfer_llm.runtime.weights import quantize_like
 
     text = HELDOUT.read_text()
     res = {}

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 
 RESULTS = ROOT / "benchmarks/results"
 PROMPT_TOKENS = 16
@@ -54,8 +54,8 @@ def default_path(args) -> Path:
 
 def mismatches(path: Path, args) -> list[str]:
     """How an existing model differs from the arguments (what its metadata records), for --model files."""
-    from formats import constants as C
-    from formats.reader import open_gguf
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.reader import open_gguf
 
     f = open_gguf(path)
     n_layer, d, ff, h, hkv = (int(v) for v in args.shape.split(","))
@@ -79,7 +79,7 @@ def mismatches(path: Path, args) -> list[str]:
 
 
 def ensure_model(path: Path, args) -> None:
-    from formats.reader import open_gguf
+    from pinfer_llm.formats.reader import open_gguf
 
     if path.exists():
         diff = mismatches(path, args)
@@ -87,7 +87,7 @@ def ensure_model(path: Path, args) -> None:
             raise SystemExit(f"{path} was made with other arguments: {', '.join(diff)}; pass matching --shape, "
                              f"--dtype, --sparsity and --recall, or another --model")
     else:
-        from synth import SynthSpec, generate
+        from pinfer_llm.synth import SynthSpec, generate
 
         path.parent.mkdir(parents=True, exist_ok=True)
         n_layer, d, ff, h, hkv = (int(v) for v in args.shape.split(","))
@@ -99,7 +99,7 @@ def ensure_model(path: Path, args) -> None:
         print(f"  {res.n_params / 1e9:.2f}B parameters in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     if not open_gguf(path).has("blk.0.fc1.weight"):
         print("training predictors (pi-profile --train-predictors) ...", file=sys.stderr)
-        cmd = [sys.executable, "-m", "runtime.profile_cli", str(path), "--train-predictors", "--recall",
+        cmd = [sys.executable, "-m", "pinfer_llm.cli.profile", str(path), "--train-predictors", "--recall",
                str(args.recall), "-t", str(args.threads)]
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout stays this script's (--json)
 
@@ -109,9 +109,9 @@ def dense_twin(src: Path, dst: Path) -> None:
     back), no predictors or statistics, the GGUF magic."""
     import numpy as np
 
-    from formats import constants as C
-    from formats.reader import open_gguf
-    from formats.writer import write_gguf
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.formats.writer import write_gguf
 
     f = open_gguf(src)
     tensors = {}
@@ -198,8 +198,8 @@ def main() -> None:
 
     args.model = args.model or default_path(args)
     ensure_model(args.model, args)
-    from runtime import load_model
-    from runtime.corpus import HELDOUT
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.profiling.corpus import HELDOUT
 
     ctx = max(256, args.agree_tokens + 8, PROMPT_TOKENS + args.tokens + 8)
     twin = args.model.with_name(args.model.stem + "-dense.gguf")

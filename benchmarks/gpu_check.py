@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 
 D, N_FF = 5120, 13824  # Llama-13B
 COPIES = 4  # layer copies cycled through in timed loops (4 x 28 MB touched at 10% F16 >> L2)
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--out", default=str(ROOT / "benchmarks/results/gpu_check.json"))
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a smoke run)")
     args = ap.parse_args(argv)
-    from runtime.gpu import CudaDevice, GPUUnavailable
+    from pinfer_llm.runtime.gpu import CudaDevice, GPUUnavailable
 
     try:
         dev = CudaDevice()
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     import cupy as cp
     import torch
 
-    from runtime.gpu import ReferenceDevice
+    from pinfer_llm.runtime.gpu import ReferenceDevice
 
     torch.set_num_threads(min(16, torch.get_num_threads()))
     t0 = time.time()
@@ -87,9 +87,9 @@ def _err(got, want, scale) -> float:
 
 
 def run_checks(dev, ref, out: list, d: int, n_ff: int, quick: bool = False) -> None:
-    from runtime.gpu import ACT_CODES
-    from runtime.gpu import layout as L
-    from runtime.gpu.cuda import PREFILL_T
+    from pinfer_llm.runtime.gpu import ACT_CODES
+    from pinfer_llm.runtime.gpu import layout as L
+    from pinfer_llm.runtime.gpu.cuda import PREFILL_T
 
     rng = np.random.default_rng(0)
 
@@ -303,7 +303,7 @@ def _copies(dev, ffn):
 
 
 def run_bench(dev, cp, out: list, copy_gbps: float, d: int, n_ff: int) -> None:
-    from runtime.gpu import layout as L
+    from pinfer_llm.runtime.gpu import layout as L
 
     rng = np.random.default_rng(1)
 
@@ -416,7 +416,7 @@ def run_bench(dev, cp, out: list, copy_gbps: float, d: int, n_ff: int) -> None:
 def bench_70b_layer(dev, cp, rng, record) -> None:
     """The sparse FFN at 10% on a Llama-70B layer (8192 x 28672): 2.3x the bytes of a 13B layer, so fixed costs
     weigh less. One random matrix serves as gate, up and down (the values do not change the speed)."""
-    from runtime.gpu import layout as L
+    from pinfer_llm.runtime.gpu import layout as L
 
     d, n_ff = 8192, 28672
     n_sel = n_ff // 10

@@ -5,7 +5,8 @@
 1. Makes the model with synth.fast (a Llama2-13B-shaped PowerInfer file: F16, ~26 GB, predictors, activation
    statistics; written once, into /dev/shm when it has room).
 2. Decodes the same greedy continuation of the same prompt with pi-run's engine under --placement plan, layers,
-   powerinfer and cpu (the hybrid executor, runtime/hybrid.py), and once with no GPU at all (the CPU sparse path).
+   powerinfer and cpu (the hybrid executor, runtime/hybrid/executor.py), and once with no GPU at all (the CPU sparse
+   path).
 3. Reports per placement: decode tokens/s, the per-token split (CPU, waiting for the GPU, copies), VRAM used, the
    planner's predicted tokens/s, whether the tokens equal the CPU path's, and the ratios plan/layers and
    plan/powerinfer; then `timed`: a short extra decode with the device's own compute and copy time per token (CUDA
@@ -27,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_TREE = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 
@@ -36,7 +38,7 @@ def model_path(shape: str, qtype: str, where: str | None) -> Path:
     if where:
         return Path(where)
     shm = Path("/dev/shm")
-    from synth.fast import SHAPES
+    from pinfer_llm.synth.fast import SHAPES
 
     L, d, n_ff, *_ = SHAPES[shape]
     need = L * 3 * d * n_ff * (2 if qtype == "f16" else 4 if qtype == "f32" else 1) * 1.15
@@ -48,8 +50,8 @@ def model_path(shape: str, qtype: str, where: str | None) -> Path:
 def run(path: Path, gpu: str, placement: str, args) -> dict:
     import torch
 
-    from runtime import load_model
-    from runtime.gpu.timing import Timeline
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.gpu.timing import Timeline
 
     notes: list[str] = []
     t0 = time.perf_counter()
@@ -99,12 +101,12 @@ def calibrate(path: Path, results: dict, args) -> dict:
     """Fit the cost model's CPU bandwidth and split-layer cost to the measured runs (see the module docstring)."""
     import numpy as np
 
-    from formats.errors import PinferError
-    from formats.reader import open_gguf
-    from planner.calibration import calibrate_hybrid
-    from planner.plan import Plan
-    from runtime import devices
-    from runtime import placement as pl
+    from pinfer_llm.formats.errors import PinferError
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.planner.calibration import calibrate_hybrid
+    from pinfer_llm.planner.plan import Plan
+    from pinfer_llm.runtime.hybrid import devices
+    from pinfer_llm.runtime.hybrid import placement as pl
 
     try:
         _, info, why = devices.acquire(args.gpu)
@@ -164,7 +166,7 @@ def main() -> None:
     ap.add_argument("--merge-into", help="add the results as key 'e2e' of this JSON file (make gpu-check's)")
     args = ap.parse_args()
 
-    from synth.fast import generate_fast
+    from pinfer_llm.synth.fast import generate_fast
 
     t0 = time.perf_counter()
     path = model_path(args.shape, args.type, args.model)

@@ -1,4 +1,4 @@
-"""The hybrid executor's own host cost per layer: runtime/hybrid.py over a device that computes nothing.
+"""The hybrid executor's own host cost per layer: runtime/hybrid/executor.py over a device that computes nothing.
 
     python benchmarks/hybrid_overhead.py            # 40 layers, attention + predictor + half the neurons on the "GPU"
     python benchmarks/hybrid_overhead.py --layers 80 --steps 300 --json
@@ -24,13 +24,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
-from formats import constants as C  # noqa: E402
-from formats.model_writer import write_llama  # noqa: E402
-from runtime import hybrid, load_model  # noqa: E402
-from runtime.gpu import ReferenceDevice  # noqa: E402
-from runtime.placement import Placement  # noqa: E402
+from pinfer_llm.formats import constants as C  # noqa: E402
+from pinfer_llm.formats.model_writer import write_llama  # noqa: E402
+from pinfer_llm.runtime import load_model  # noqa: E402
+from pinfer_llm.runtime.gpu import ReferenceDevice  # noqa: E402
+from pinfer_llm.runtime.hybrid import executor as hybrid  # noqa: E402
+from pinfer_llm.runtime.hybrid.placement import Placement  # noqa: E402
 from tests.tiny import random_weights, tiny_config, to_powerinfer_layout  # noqa: E402
 
 
@@ -65,7 +67,7 @@ class NullDevice(ReferenceDevice):
 def null_cuda():
     """runtime.gpu.CudaDevice whose kernels do nothing, over the tests' CuPy stand-in with plain numpy allocations
     (no guard bytes): what pinfer's own Python costs around each CuPy launch, CuPy's own costs not included."""
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     class Module:

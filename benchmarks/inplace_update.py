@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
-from formats import constants as C  # noqa: E402
-from formats.writer import encode_header, pwrite_all  # noqa: E402
+from pinfer_llm.formats import constants as C  # noqa: E402
+from pinfer_llm.formats.encoder import encode_header, pwrite_all  # noqa: E402
 
 BIN = Path(sys.executable).parent
 Q4_0, F32, F16 = 2, 0, 1  # PowerInfer's ids (the same as today's for these)
@@ -159,8 +160,8 @@ def main() -> None:
             print(json.dumps({label: r}), flush=True)
         # the write alone, in process: the stored plan's tensors and keys stored again (what pi-plan's write costs
         # without its interpreter start, torch import and ILP solve)
-        from formats.reader import open_gguf
-        from formats.update import update_model
+        from pinfer_llm.formats.reader import open_gguf
+        from pinfer_llm.formats.update import update_model
 
         f = open_gguf(model)
         plan = {n: np.array(f.raw(n)) for n in f.tensors if n.endswith((".gpu_idx", ".gpu_bucket"))}

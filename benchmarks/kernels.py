@@ -1,4 +1,4 @@
-"""Speed of the C++ kernels on weights as GGUF stores them (runtime/csrc), native and x86-64-v3 builds side by side.
+"""Speed of the C++ kernels on weights as GGUF stores them (runtime/cpu/csrc), native and x86-64-v3 builds side by side.
 
     python benchmarks/kernels.py [--json] [--threads 2] [--rounds 5] [--mem-mb 512] [--only gemv,prefill,ffn,pred]
                                  [--crossover]
@@ -14,7 +14,7 @@ from round to round; ratios are per round, then the median; spreads are min-max 
   random, against the dense FFN of the same type (qmatmul gate+up, SwiGLU, qmatmul down).
 - pred: qpredict_active, F16 predictor r=1024 for a 4096 x 11008 layer, fc2 as stored vs transposed.
 - --crossover: qmatmul's two regimes (streaming tiles vs dequantised tiles + sgemm) for T = 2..128, to place
-  GEMM_MIN_T (runtime/csrc/kernels.h).
+  GEMM_MIN_T (runtime/cpu/csrc/kernels.h).
 
 --clock cpu measures process CPU time instead of wall time (re-executing with OMP_WAIT_POLICY=PASSIVE so that idle
 OpenMP threads sleep instead of spinning on the clock): on a machine shared with other jobs, wall time counts the
@@ -35,9 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_TREE = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
-from runtime import cpu_kernels  # noqa: E402
+from pinfer_llm.runtime.cpu import kernels as cpu_kernels  # noqa: E402
 
 TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 BLOCK = {2: 18, 3: 20, 8: 34}

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -37,9 +38,8 @@ def main() -> None:
     import torch
     from llamacpp_logits import compare
 
-    import runtime.loader as loader
-    from runtime import load_model, weights
-    from runtime.corpus import HELDOUT
+    from pinfer_llm.runtime import load_model, loader, weights
+    from pinfer_llm.runtime.profiling.corpus import HELDOUT
 
     torch.set_num_threads(args.threads)
     variants = {"q4_1": weights.runnable, "q8_0": lambda w: w if w.in_kernel else weights.as_q8_0(w)}

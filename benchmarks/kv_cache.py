@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
 
 def decode_tps(m, ids: list[int], tokens: int) -> tuple[float, list[int]]:
@@ -48,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from benchmarks.decode import long_prompt
-    from runtime import load_model
+    from pinfer_llm.runtime import load_model
 
     ctx = args.depth + args.tokens + 1
     ms = {kv: load_model(args.model, threads=args.threads, ctx_size=ctx, kv_type=kv) for kv in ("f16", "f32")}

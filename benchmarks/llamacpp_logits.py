@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -55,7 +56,7 @@ def compare(ref: np.ndarray, ours: np.ndarray, ids: list[int]) -> dict:
 def exact_logits(path: str, ids: list[int], threads: int) -> np.ndarray:
     """pinfer's logits without its C++ kernels (float32 copies of the dequantised weights), from a child process:
     whether the kernels are used is decided once per process."""
-    code = ("import sys, json, numpy as np; from runtime import load_model; "
+    code = ("import sys, json, numpy as np; from pinfer_llm.runtime import load_model; "
             "m = load_model(sys.argv[1], threads=int(sys.argv[2])); "
             "np.save(sys.argv[3], m.forward_logits(json.loads(sys.argv[4])))")
     with tempfile.TemporaryDirectory() as d:
@@ -76,11 +77,13 @@ def main() -> None:
 
     import llama_cpp
 
-    from runtime import load_model
-    from runtime.engine import resolve_model_path
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.engine import resolve_model_path
 
     path = str(resolve_model_path(args.model))
-    text_path = Path(args.text) if args.text else Path(__file__).resolve().parent.parent / "runtime/corpus/heldout.txt"
+    from pinfer_llm.runtime.profiling.corpus import HELDOUT
+
+    text_path = Path(args.text) if args.text else HELDOUT
     text = text_path.read_text(encoding="utf-8")
     llm = llama_cpp.Llama(path, n_threads=args.threads, n_ctx=max(512, args.tokens + 8), verbose=False,
                           logits_all=True)

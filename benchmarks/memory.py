@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 SLACK_MB = 300
 CASES = [("1b", "f16"), ("1b", "q4_0"), ("llama2-7b", "q4_0"), ("llama2-13b", "q4_0")]
 
 
 def kv_bytes(shape: str, ctx: int) -> int:
-    from synth.fast import SHAPES
+    from pinfer_llm.synth.fast import SHAPES
 
     L, d, _, nh, nkv, _ = SHAPES[shape]
     return L * 2 * nkv * ctx * (d // nh) * 2  # f16, pi-run's default
@@ -40,7 +40,7 @@ def run(model: Path, mode: str, threads: int, tokens: int, ctx: int) -> dict:
             "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
             "print(json.dumps({'rc': r.returncode, 'out': r.stdout, 'err': r.stderr[-1500:], "
             "'rss_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))")
-    cmd = [sys.executable, "-c", code, sys.executable, "-m", "runtime.cli", str(model), "-p", "Once upon a time",
+    cmd = [sys.executable, "-c", code, sys.executable, "-m", "pinfer_llm.cli.run", str(model), "-p", "Once upon a time",
            "-n", str(tokens), "-t", str(threads), "--temp", "0", f"--{mode}", "--gpu", "none", "-c", str(ctx),
            "--json"]
     t0 = time.perf_counter()
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from synth.fast import generate_fast
+    from pinfer_llm.synth.fast import generate_fast
 
     cases = [(args.shape, args.type)] if args.shape else CASES
     modes = args.mode or ["dense", "sparse"]

@@ -30,14 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
-from planner import calibration  # noqa: E402
-from planner.activations import Activations  # noqa: E402
-from planner.hardware import CPU, Hardware, cpu_name, detect_cores  # noqa: E402
-from planner.machine import cpu_bandwidth, save_calibration, this_cpu_key  # noqa: E402
-from planner.plan import Plan  # noqa: E402
-from planner.problem import build_problem  # noqa: E402
+from pinfer_llm.planner import calibration  # noqa: E402
+from pinfer_llm.planner.activations import Activations  # noqa: E402
+from pinfer_llm.planner.hardware import CPU, Hardware, cpu_name, detect_cores  # noqa: E402
+from pinfer_llm.planner.machine import cpu_bandwidth, save_calibration, this_cpu_key  # noqa: E402
+from pinfer_llm.planner.plan import Plan  # noqa: E402
+from pinfer_llm.planner.problem import build_problem  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -46,7 +47,7 @@ def planted_model(path: Path) -> Path:
     """A ReLU model with planted activation frequencies, big enough that weights dominate a token (~0.5 GB)."""
     if path.exists():
         return path
-    from synth import SynthSpec, generate
+    from pinfer_llm.synth import SynthSpec, generate
 
     spec = SynthSpec(n_layer=8, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=4, dtype="f32", sparsity=0.85,
                      skew=1.0, seed=0, calib_tokens=1024, name="planted-8x1024")
@@ -58,7 +59,7 @@ def planted_model(path: Path) -> Path:
 
 def measure(path: Path, mode: str, threads: int, tokens: int, rounds: int, prompt: str) -> tuple[float, float, int]:
     """(fastest, median) seconds per decoded token, and the prompt's length in tokens."""
-    from runtime import load_model
+    from pinfer_llm.runtime import load_model
 
     m = load_model(path, threads=threads, ffn_mode=mode)
     ids = m.tokenizer.encode(prompt)[: m.ctx_size - tokens - 16]
@@ -74,9 +75,9 @@ def features(path: Path, freq: list[np.ndarray] | None, ctx: int, threads: int) 
     """Bytes and operators the cost model says a CPU-only token touches. freq None: dense, every row read. With
     freq (the oracle run): the gate row of every neuron, the up and down rows of the active ones, as the runtime's
     C++ kernel does (torch's fallback reads every up row too)."""
-    from formats import constants as C
-    from formats.reader import open_gguf
-    from planner.memory import account
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.planner.memory import account
 
     f = open_gguf(path)
     mb = account(f, ctx)  # for the shapes only
@@ -105,9 +106,9 @@ def main() -> None:
 
     import os
 
-    from formats.reader import open_gguf
-    from runtime import resolve_model_path
-    from synth import target_frequencies
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.runtime import resolve_model_path
+    from pinfer_llm.synth import target_frequencies
 
     load_before = os.getloadavg()[0]
     smollm2 = resolve_model_path("smollm2")

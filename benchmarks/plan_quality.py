@@ -28,13 +28,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
-from planner.baselines import all_baselines  # noqa: E402
-from planner.hardware import CPU, Hardware, gpu_table, lookup_gpu  # noqa: E402
-from planner.ilp import solve  # noqa: E402
-from planner.problem import build_problem  # noqa: E402
-from planner.skeleton import SHAPES, make_skeleton  # noqa: E402
+from pinfer_llm.planner.baselines import all_baselines  # noqa: E402
+from pinfer_llm.planner.hardware import CPU, Hardware, gpu_table, lookup_gpu  # noqa: E402
+from pinfer_llm.planner.ilp import solve  # noqa: E402
+from pinfer_llm.planner.problem import build_problem  # noqa: E402
+from pinfer_llm.planner.skeleton import SHAPES, make_skeleton  # noqa: E402
 
 HOST = dict(name="bench-host", cores=16, mem_bw_gbs=60.0, host_ram_gib=192.0)
 

@@ -22,14 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
-from planner.baselines import all_baselines  # noqa: E402
-from planner.hardware import CPU, Hardware, lookup_gpu  # noqa: E402
-from planner.ilp import solve  # noqa: E402
-from planner.problem import build_problem  # noqa: E402
-from planner.report import gap_text  # noqa: E402
-from planner.skeleton import SHAPES, make_skeleton  # noqa: E402
+from pinfer_llm.planner.baselines import all_baselines  # noqa: E402
+from pinfer_llm.planner.hardware import CPU, Hardware, lookup_gpu  # noqa: E402
+from pinfer_llm.planner.ilp import solve  # noqa: E402
+from pinfer_llm.planner.problem import build_problem  # noqa: E402
+from pinfer_llm.planner.report import gap_text  # noqa: E402
+from pinfer_llm.planner.skeleton import SHAPES, make_skeleton  # noqa: E402
 
 # A fixed host, so that runs on different machines solve the same problem (the paper's i9-13900K class).
 HOST = dict(name="bench-host", cores=16, mem_bw_gbs=60.0, host_ram_gib=192.0)

@@ -7,8 +7,8 @@
 1. Planted model (synth, ReluLLaMA-shaped, ~90% sparse, F16 weights): `pi-profile --train-predictors` on the
    built-in corpus. Per layer: measured sparsity, chosen hidden size, predictor bytes as % of the layer's FFN bytes,
    recall / precision / predicted density on the profiler's held-out test tokens, and recall again through the
-   runtime's load_predictors on runtime/corpus/heldout.txt (text the profiler never saw). Also the bytes a sparse
-   FFN would read per token relative to dense: (predictor + predicted rows) / FFN.
+   runtime's load_predictors on runtime/profiling/corpus/heldout.txt (text the profiler never saw). Also the bytes a
+   sparse FFN would read per token relative to dense: (predictor + predicted rows) / FFN.
    Targets: recall >= 0.95 in every layer, predictor bytes <= 10% of the FFN's.
 2. Demo model: wall time of `pi-profile smollm2 --sparsity 0.3 --train-predictors -o OUT` (target: < 300 s on 2
    cores), with the CATS thresholds' achieved sparsity and the predictors' recall/precision.
@@ -27,22 +27,23 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
 import torch  # noqa: E402
 
-import synth  # noqa: E402
-from formats.reader import open_gguf  # noqa: E402
-from runtime.corpus import HELDOUT  # noqa: E402
-from runtime.engine import load_model  # noqa: E402
-from runtime.predictor import load_predictors  # noqa: E402
+from pinfer_llm import synth  # noqa: E402
+from pinfer_llm.formats.reader import open_gguf  # noqa: E402
+from pinfer_llm.runtime.engine import load_model  # noqa: E402
+from pinfer_llm.runtime.ffn.predictor import load_predictors  # noqa: E402
+from pinfer_llm.runtime.profiling.corpus import HELDOUT  # noqa: E402
 
 PLANTED = dict(n_layer=4, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=4, dtype="f16", sparsity=0.9, skew=1.0)
 
 
 def pi_profile(args: list[str], threads: int) -> tuple[float, dict]:
     """Run the real CLI in a fresh process; (wall seconds, its --json summary)."""
-    cmd = [sys.executable, "-m", "runtime.profile_cli", *args, "-t", str(threads), "--json"]
+    cmd = [sys.executable, "-m", "pinfer_llm.cli.profile", *args, "-t", str(threads), "--json"]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     wall = time.perf_counter() - t0

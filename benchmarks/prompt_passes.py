@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_TREE = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
-from runtime import load_model  # noqa: E402
+from pinfer_llm.runtime import load_model  # noqa: E402
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 
 
 def ensure_profiled(s: float, threads: int) -> Path:
@@ -26,7 +26,7 @@ def ensure_profiled(s: float, threads: int) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"pi-profile smollm2 --sparsity {s:g} --train-predictors -o {out.name} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "runtime.profile_cli", "smollm2", "--sparsity", str(s),
+        subprocess.run([sys.executable, "-m", "pinfer_llm.cli.profile", "smollm2", "--sparsity", str(s),
                         "--train-predictors", "-o", str(out), "-t", str(threads)], check=True, cwd=ROOT)
     return out
 
@@ -40,9 +40,9 @@ def main() -> None:
     args = ap.parse_args()
     levels = args.sparsity or [0.3]
 
-    from runtime import load_model
-    from runtime.corpus import HELDOUT
-    from runtime.perplexity import perplexity
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.perplexity import perplexity
+    from pinfer_llm.runtime.profiling.corpus import HELDOUT
 
     text = HELDOUT.read_text(encoding="utf-8")
     rows = []

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 
 TOPICS = ["the sea", "mountains", "a cat", "coffee", "trains", "autumn", "a library", "the moon", "bread", "rain",
           "a garden", "music", "winter", "bicycles", "the desert", "a lighthouse", "bees", "clocks", "snow", "rivers"]
@@ -69,7 +69,7 @@ class RssSampler:
 
 
 def start_server(model: str, threads: int, queue: int) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "runtime.serve_cli", model, "--port", "0", "-t", str(threads),
+    p = subprocess.Popen([sys.executable, "-m", "pinfer_llm.cli.serve", model, "--port", "0", "-t", str(threads),
                           "--queue", str(queue)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     line = p.stderr.readline()
@@ -179,8 +179,8 @@ def histories(turns: list[str], answers: list[dict]) -> list[list[dict]]:
 
 def references(model: str, threads: int, conversations: list[list[dict]], max_tokens: int) -> list[str]:
     """What Model.generate (as pi-run --chat --temp 0 -n N) answers to each conversation, from a fresh prefill."""
-    from runtime import load_model
-    from runtime.chat import encode_chat
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.generation.chat import encode_chat
 
     m = load_model(model, threads=threads)
     out = []

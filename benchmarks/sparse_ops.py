@@ -6,7 +6,7 @@
     python benchmarks/sparse_ops.py --prefill            # break-even union density per token count
     python benchmarks/sparse_ops.py --json
 
-Cases: "sparse" = runtime.sparse_ops.ffn_sparse as pi-run uses it (the C++ kernel when it builds), "torch" = the same
+Cases: "sparse" = runtime.ffn.ops.ffn_sparse as pi-run uses it (the C++ kernel when it builds), "torch" = the same
 call with torch's own kernels (use_kernels=False), "dense" = ffn_dense (MKL GEMVs).
 
 Method: several copies of the layer are allocated so that together they exceed the L3 cache (300 MiB) eight times,
@@ -33,9 +33,10 @@ from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_TREE, os.path.join(_TREE, "src")]  # the checkout, without an install
 
-from runtime import sparse_ops as S  # noqa: E402
+from pinfer_llm.runtime.ffn import ops as S  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 L3_BYTES = 300 << 20

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 PROMPT = "Once upon a time, in a land far away, there lived a"
 
 
@@ -36,7 +36,7 @@ def child_rss_mb() -> float:
 
 
 def run_pinfer(model: Path, threads: int, tokens: int) -> dict:
-    cmd = [sys.executable, "-m", "runtime.cli", str(model), "-p", PROMPT, "-n", str(tokens), "-t", str(threads),
+    cmd = [sys.executable, "-m", "pinfer_llm.cli.run", str(model), "-p", PROMPT, "-n", str(tokens), "-t", str(threads),
            "--temp", "0", "--sparse", "--gpu", "none", "-c", "256", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
@@ -71,7 +71,7 @@ def med(rows: list[dict], key: str) -> float:
 
 
 def make_models(args) -> list[Path]:
-    from synth.fast import generate_fast
+    from pinfer_llm.synth.fast import generate_fast
 
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ TEST_CACHE = os.path.join(tempfile.gettempdir(), f"pinfer-test-cache-{os.getuid(
 def kernels(request, monkeypatch):
     """Each test twice: through pinfer's C++ kernels (norms, attention, matrix products, FFN) and through torch's
     operators alone, as on a machine without a compiler. A kernel library that fails to build is a failure."""
-    from runtime import cpu_kernels
+    from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
@@ -57,6 +57,6 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2):
-    from runtime import load_model
+    from pinfer_llm.runtime import load_model
 
     return load_model(smollm2, threads=2)

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import transformers
 
-from formats import constants as C
-from formats.model_writer import byte_vocab
-from formats.writer import write_gguf
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.model_writer import byte_vocab
+from pinfer_llm.formats.writer import write_gguf
 
 VOCAB = 300
 

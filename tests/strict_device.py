@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.gpu import ReferenceDevice
+from pinfer_llm.runtime.gpu import ReferenceDevice
 
 POISON = 0xFF
 

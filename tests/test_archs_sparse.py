@@ -8,14 +8,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import synth
-from formats import constants as C
-from formats.reader import open_gguf
-from runtime import hybrid, load_model
-from runtime.activity import activation_rule
-from runtime.corpus import HELDOUT
-from runtime.gpu import ReferenceDevice
-from runtime.profile import profile
+from pinfer_llm import synth
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.gpu import ReferenceDevice
+from pinfer_llm.runtime.hybrid import executor as hybrid
+from pinfer_llm.runtime.profiling.activity import activation_rule
+from pinfer_llm.runtime.profiling.corpus import HELDOUT
+from pinfer_llm.runtime.profiling.counting import profile
 from tests import hf_archs as H
 from tests.strict_device import StrictStreams
 from tests.test_hybrid import logits, random_placement
@@ -107,7 +108,7 @@ def test_profile_counts_and_samples_equal_hf(tmp_path, arch):
 
 
 def run_profile_cli(*args):
-    from runtime.profile_cli import app
+    from pinfer_llm.cli.profile import app
 
     r = CliRunner().invoke(app, [str(a) for a in args])
     return r.exit_code, r.output.strip()
@@ -142,7 +143,7 @@ def test_trained_predictors_on_gateless_models(profiled, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plan_accounts_two_rows_per_neuron(profiled, arch):
-    from planner.memory import account
+    from pinfer_llm.planner.memory import account
 
     path, _ = profiled[arch]
     f = open_gguf(path)
@@ -163,7 +164,7 @@ def test_plan_accounts_two_rows_per_neuron(profiled, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pi_plan_plans_the_file(profiled, arch, tmp_path, monkeypatch):
-    from planner.cli import app
+    from pinfer_llm.cli.plan import app
 
     monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
     path, _ = profiled[arch]
@@ -221,7 +222,7 @@ def small_pwri(tmp_path, arch: str):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_kernels_in_the_executor(tmp_path, arch):
     """The real .cu kernels (CPU emulation): NeoX rope / no rope (n_rot 0), biases, LayerNorm, gate-less FFN rows."""
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     path, _ = small_pwri(tmp_path, arch)
@@ -239,8 +240,8 @@ def test_layers_wholly_on_the_device(tmp_path, arch, device):
     """A layer on the GPU whole (attention, predictor, every neuron: what --placement layers makes), beside split
     ones: OPT's down bias is added on the device, to every token of a chunk; Falcon's parallel block keeps its
     stream there; the logits are the CPU's."""
-    from runtime.gpu import CudaDevice
-    from runtime.placement import Placement
+    from pinfer_llm.runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.hybrid.placement import Placement
     from tests.cuda_emu import fake_cupy
 
     path, L = small_pwri(tmp_path, arch)

@@ -5,10 +5,10 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 from typer.testing import CliRunner
 
-from formats import constants as C
-from formats.model_writer import write_llama
-from formats.writer import RawTensor
-from runtime.cli import app
+from pinfer_llm.cli.run import app
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.model_writer import write_llama
 from tests.tiny import random_weights, tiny_config, write_tiny
 
 runner = CliRunner()
@@ -176,7 +176,7 @@ def test_unreadable_model_file(tmp_path, monkeypatch):
 
 
 def test_vocabulary_the_tokenizer_library_rejects(tmp_path):
-    from formats.model_writer import byte_vocab
+    from pinfer_llm.formats.model_writer import byte_vocab
 
     cfg = tiny_config()
     vocab = byte_vocab(cfg.vocab_size)

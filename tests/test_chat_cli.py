@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import load_model
-from runtime.chat import chat_loop, encode_chat
+from pinfer_llm.cli.chat import chat_loop
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.generation.chat import encode_chat
 from tests.tiny_server import write_chat_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,8 +120,8 @@ def test_ctrl_c_stops_the_answer_not_the_chat(chat_model):
 
 def run_pi_run(args, stdin, env_extra=None, **kw):
     env = os.environ | {"PYTHONUNBUFFERED": "1"} | (env_extra or {})
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], input=stdin, capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=120, **kw)
+    return subprocess.run([sys.executable, "-m", "pinfer_llm.cli.run", *args], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=120, **kw)
 
 
 def test_subprocess_conversation_through_stdin(chat_model):
@@ -136,7 +137,7 @@ def test_subprocess_conversation_through_stdin(chat_model):
 # Slows the first answer to 0.1 s a token, so SIGINT lands while it generates.
 SLOW_FIRST_ANSWER = """
 import sys, time
-import runtime.engine as engine
+from pinfer_llm.runtime import engine
 fast, calls = engine.Model._generate, []
 def slow(self, *a, **kw):
     calls.append(1)
@@ -145,7 +146,7 @@ def slow(self, *a, **kw):
             time.sleep(0.1)
         yield tok
 engine.Model._generate = slow
-from runtime.cli import app
+from pinfer_llm.cli.run import app
 app(sys.argv[1:], prog_name="pi-run")
 """
 

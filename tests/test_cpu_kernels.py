@@ -1,4 +1,4 @@
-"""Building and caching the C++ CPU kernels (runtime/cpu_kernels.py), with planted faults: a compiler that fails, one
+"""Building and caching the C++ CPU kernels (runtime/cpu/kernels.py), with planted faults: a compiler that fails, one
 that writes a bogus library, a smoke test that dies with SIGILL, a corrupt cached library, CPU flags that change, an
 empty XDG_CACHE_HOME. Their numbers are tested in test_qkernels.py and test_sparse_ops.py."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import cpu_kernels
-from runtime import sparse_ops as S
+from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+from pinfer_llm.runtime.ffn import ops as S
 
 pytestmark = pytest.mark.skipif(os.environ.get("PINFER_CPU_KERNELS") == "0", reason="PINFER_CPU_KERNELS=0")
 
@@ -60,7 +60,7 @@ def test_failed_build_is_remembered(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="planted failure.*an earlier build"):
         cpu_kernels.build(spinner=False)
     assert compiles(log) == n and time.perf_counter() - t0 < 5  # not compiled again
-    code = "from runtime import cpu_kernels as K; print(K.available(), K.status())"
+    code = "from pinfer_llm.runtime.cpu import kernels as K; print(K.available(), K.status())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, CXX=str(cc), PINFER_CACHE_DIR=str(tmp_path / "cache")))
     assert out.stdout.startswith("False torch kernels (") and "an earlier build" in out.stdout
@@ -97,12 +97,13 @@ def test_smoke_test_crash_marks_the_build_bad(monkeypatch, tmp_path):
 def test_corrupt_cached_library_falls_back(tmp_path):
     """A cached library that does not load (truncated, another machine's) means torch's kernels, not a crash."""
     env = dict(os.environ, PINFER_CACHE_DIR=str(tmp_path))
-    key = subprocess.run([sys.executable, "-c", "from runtime import cpu_kernels as K; "
+    key = subprocess.run([sys.executable, "-c", "from pinfer_llm.runtime.cpu import kernels as K; "
                           "print(K.cache_key(K.march()))"], capture_output=True, text=True, env=env,
                          check=True).stdout.strip()
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / f"pinfer_cpu_{key}.so").write_bytes(b"\x7fELF truncated")
-    code = ("from runtime import cpu_kernels as K, sparse_ops as S; import torch;"
+    code = ("from pinfer_llm.runtime.cpu import kernels as K; from pinfer_llm.runtime.ffn import ops as S; "
+            "import torch;"
             "w = S.pack_ffn(torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4), down_transposed=True, act='relu');"
             "S.ffn_sparse(w, torch.randn(1, 4), torch.tensor([1, 2])); print(K.available(), K.status())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -143,7 +144,8 @@ def test_cache_dir(monkeypatch, tmp_path):
 
 
 def test_disabled_falls_back_to_torch(tmp_path):
-    code = ("from runtime import cpu_kernels as K, sparse_ops as S; import torch;"
+    code = ("from pinfer_llm.runtime.cpu import kernels as K; from pinfer_llm.runtime.ffn import ops as S; "
+            "import torch;"
             "w = S.pack_ffn(torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4), down_transposed=True, act='relu');"
             "S.ffn_sparse(w, torch.randn(1, 4), torch.tensor([1, 2]));"
             "print(K.available(), K.status())")
@@ -175,7 +177,7 @@ def test_fused_predictor_equals_torch(r, d, n_ff, dtype, transposed):
     """Predictor.fused_indices (the C++ kernel over fc1 and fc2 as stored, or over fc2_t: the live hidden units'
     rows) against the torch predictor: the same neurons, except ones whose score lies within rounding of the
     threshold."""
-    from runtime.predictor import Predictor
+    from pinfer_llm.runtime.ffn.predictor import Predictor
 
     assert cpu_kernels.available(), cpu_kernels.status()
     gen = torch.Generator().manual_seed(r)

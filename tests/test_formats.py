@@ -8,11 +8,13 @@ import pytest
 from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType as T
 
-from formats import constants as C
-from formats.config import config_from_gguf
-from formats.errors import PinferError
-from formats.reader import open_gguf
-from formats.writer import RawTensor, rewrite_gguf, write_gguf
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.config import config_from_gguf
+from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.update import rewrite_gguf
+from pinfer_llm.formats.writer import write_gguf
 from tests.tiny import write_tiny
 
 
@@ -133,7 +135,7 @@ def test_updates_preserve_quantised_tensors_and_types(tmp_path):
 
 
 def test_interrupted_update_leaves_original_byte_identical(tmp_path, monkeypatch):
-    from formats import writer
+    from pinfer_llm.formats import atomic
 
     write_tiny(tmp_path / "m.gguf")
     before = (tmp_path / "m.gguf").read_bytes()
@@ -141,7 +143,7 @@ def test_interrupted_update_leaves_original_byte_identical(tmp_path, monkeypatch
         def failing(name, point=point):
             if name == point:
                 raise KeyboardInterrupt  # as if the user pressed Ctrl-C there
-        monkeypatch.setattr(writer, "hook", failing)
+        monkeypatch.setattr(atomic, "hook", failing)
         with pytest.raises(KeyboardInterrupt):
             rewrite_gguf(open_gguf(tmp_path / "m.gguf"), set_metadata={"x": 1},
                          set_tensors={"t": np.ones(4, np.float32)}, progress=False)

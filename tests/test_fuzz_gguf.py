@@ -7,13 +7,13 @@ import struct
 import numpy as np
 import pytest
 
-from formats import constants as C
-from formats import section as S
-from formats.config import config_from_gguf
-from formats.errors import PinferError
-from formats.gpuidx import read_gpuidx, write_gpuidx
-from formats.reader import open_gguf
-from formats.update import update_model
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats import section as S
+from pinfer_llm.formats.config import config_from_gguf
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.gpuidx import read_gpuidx, write_gpuidx
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.update import update_model
 from tests.tiny import write_tiny
 
 N_MUTATIONS = 100  # per base file

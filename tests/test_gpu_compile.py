@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.gpu.sources import MODULES, source
+from pinfer_llm.runtime.gpu.sources import MODULES, source
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (CUDA toolkit); kernels not compiled"),
@@ -115,7 +115,7 @@ def test_decode_kernels_do_not_spill(reports, arch):
 
 def test_every_type_has_every_entry_point(reports):
     """CudaDevice calls kernels by name: each weight type must have its gemv, dequant and sparse FFN variants."""
-    from runtime.gpu import layout
+    from pinfer_llm.runtime.gpu import layout
 
     names = set()
     for module in MODULES:

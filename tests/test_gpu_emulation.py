@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from cuda_emu import emu, fake_cupy
 
-from runtime.gpu import CudaDevice, ReferenceDevice
-from runtime.gpu import cuda as cuda_mod
-from runtime.gpu import layout as L
-from runtime.gpu.sources import source
+from pinfer_llm.runtime.gpu import CudaDevice, ReferenceDevice
+from pinfer_llm.runtime.gpu import cuda as cuda_mod
+from pinfer_llm.runtime.gpu import layout as L
+from pinfer_llm.runtime.gpu.sources import source
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,7 +201,7 @@ def test_planted_fault_is_caught(ref, planted, monkeypatch, name):
 # ------------------------------------------------------------------ benchmarks/gpu_check.py
 
 def test_gpu_check_without_gpu_exits_with_one_line(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     code = ("import builtins, runpy, sys\n"
             "real = builtins.__import__\n"
             "def imp(name, *a, **k):\n"

@@ -19,9 +19,9 @@ import pytest
 import torch
 from cuda_emu import emu, fake_cupy
 
-from runtime.gpu import ACT_CODES, CudaDevice, GPUUnavailable, ReferenceDevice
-from runtime.gpu import layout as L
-from runtime.gpu.sources import MODULES, source
+from pinfer_llm.runtime.gpu import ACT_CODES, CudaDevice, GPUUnavailable, ReferenceDevice
+from pinfer_llm.runtime.gpu import layout as L
+from pinfer_llm.runtime.gpu.sources import MODULES, source
 
 TOL = 1e-5
 
@@ -90,9 +90,9 @@ def test_layout_is_a_permutation_within_rows():
 
 @pytest.mark.parametrize("cols", [32, 96, 1024, 1056, 3104, 5120])
 def test_layout_kernel_equals_its_definition(cols):
-    """The C++ layout op (runtime/csrc/device_layout.cpp, what uploads use) equals layout.py's numpy definition byte
+    """The C++ layout op (runtime/cpu/csrc/device_layout.cpp, what uploads use) equals layout.py's numpy definition byte
     for byte: every type, rows of whole tiles, tiles plus tail blocks, and tails alone; padding included."""
-    from runtime import cpu_kernels
+    from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 
     assert L._layout_op() is not None, cpu_kernels.status()
     rng = np.random.default_rng(cols)
@@ -149,7 +149,7 @@ def test_matmul(dev, ref, ty, rows, cols, T):
 
 def test_matmul_prefill_path(dev, ref, monkeypatch):
     """T >= PREFILL_T: dequantised tiles of W through (fake) cuBLAS, several tiles."""
-    import runtime.gpu.cuda as C
+    from pinfer_llm.runtime.gpu import cuda as C
 
     monkeypatch.setattr(C, "DEQUANT_TILE_BYTES", 4 * 1056 * 7)  # 7 rows per tile
     rng = np.random.default_rng(5)
@@ -232,7 +232,7 @@ def test_sparse_ffn_shapes(dev, ref, ty, d, k, T):
 def test_sparse_ffn_prefill_path(dev, ref, monkeypatch, ty, act):
     """From PREFILL_T tokens, ffn() multiplies dequantised tiles of the GPU rows (several tiles here) and ffn_act
     applies the same selection and activation as ffn_up: scores per token, CATS, the up bias of gate-less FFNs."""
-    import runtime.gpu.cuda as C
+    from pinfer_llm.runtime.gpu import cuda as C
 
     rng = np.random.default_rng(zlib.crc32(f"prefill {ty} {act}".encode()))
     n_ff, d, k = 150, 1056, 77
@@ -572,7 +572,7 @@ def test_reference_in_float32_agrees(ref):
 def test_attention_long_context_keeps_its_chunk_count(dev, ref, monkeypatch):
     """Past ATTN_MAX_CHUNKS chunks of attn_chunk positions, chunks grow instead of multiplying, so the partial sums
     stay within what the planner reserves (planner/memory.py gpu_scratch_bytes); the result is the same."""
-    import runtime.gpu.cuda as cuda
+    from pinfer_llm.runtime.gpu import cuda
 
     monkeypatch.setattr(cuda, "ATTN_MAX_CHUNKS", 3)
     rng = np.random.default_rng(7)

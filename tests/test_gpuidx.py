@@ -9,10 +9,10 @@ import struct
 import numpy as np
 import pytest
 
-from formats import constants as C
-from formats.errors import PinferError
-from formats.gpuidx import read_gpuidx, write_gpuidx
-from formats.reader import open_gguf
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.gpuidx import read_gpuidx, write_gpuidx
+from pinfer_llm.formats.reader import open_gguf
 
 VRAM = 123_456_789_012
 
@@ -106,7 +106,7 @@ def test_pi_plan_exports_powerinfers_layout(tmp_path):
     from test_plan_helpers import tiny_model
     from typer.testing import CliRunner
 
-    from planner.cli import app
+    from pinfer_llm.cli.plan import app
 
     model = tiny_model(tmp_path / "m.gguf", n_ff=96)
     r = CliRunner().invoke(app, ["plan", str(model), "--gpu", "t4", "--export-gpuidx"])

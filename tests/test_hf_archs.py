@@ -10,10 +10,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from formats import constants as C
-from formats.errors import PinferError
-from formats.model_writer import byte_vocab
-from runtime import load_model
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.model_writer import byte_vocab
+from pinfer_llm.runtime import load_model
 from tests import hf_archs as H
 
 TOL = 1e-4

@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers  # the test extra: a missing reference is a failure, not a skip
 
-from formats import constants as C
-from formats.model_writer import write_llama
-from runtime import load_model
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.runtime import load_model
 from tests.tiny import tiny_config
 
 
@@ -87,7 +87,7 @@ def test_logits_match_transformers(tmp_path, case, kernels):
 
 @pytest.mark.parametrize("case", ["mha", "gqa", "mqa_rope_base", "rope_linear_scaling"])
 def test_decode_steps_match_transformers(tmp_path, case, kernels):
-    """Token-by-token decode (fp32 models run RMSNorm and attention as runtime/csrc ops for T = 1) against HF's
+    """Token-by-token decode (fp32 models run RMSNorm and attention as runtime/cpu/csrc ops for T = 1) against HF's
     logits for the same prefix."""
     cfg = tiny_config(**CASES[case])
     hf = make_hf(cfg)

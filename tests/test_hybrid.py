@@ -1,4 +1,4 @@
-"""The hybrid GPU+CPU executor (runtime/hybrid.py) with a CPU stand-in for the device.
+"""The hybrid GPU+CPU executor (runtime/hybrid/executor.py) with a CPU stand-in for the device.
 
 For any placement (random GPU neurons per layer, attention, predictor and output head on either side) the hybrid
 model's logits equal the CPU model's in the same FFN mode, and in exact modes those equal dense: every neuron is
@@ -13,12 +13,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from formats import constants as C
-from formats.errors import PinferError
-from formats.model_writer import write_llama
-from runtime import hybrid, load_model
-from runtime.gpu import ReferenceDevice
-from runtime.placement import Placement
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.gpu import ReferenceDevice
+from pinfer_llm.runtime.hybrid import executor as hybrid
+from pinfer_llm.runtime.hybrid.placement import Placement
 from tests.strict_device import StrictStreams
 from tests.tiny import random_weights, tiny_config, to_powerinfer_layout
 
@@ -226,8 +227,8 @@ def test_out_of_gpu_memory_at_load_is_one_line(relu_pwri):
 def test_cuda_kernels_in_the_executor(relu_pwri, monkeypatch, prefill_t):
     """The executor over runtime.gpu.CudaDevice running the real .cu kernels under the CPU emulation; with
     PREFILL_T = 4 the 5-token prefill takes the device's GEMM paths (projections and FFN rows)."""
-    import runtime.gpu.cuda as C
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import cuda as C
     from tests.cuda_emu import fake_cupy
 
     monkeypatch.setattr(C, "PREFILL_T", prefill_t)
@@ -245,7 +246,7 @@ def test_cuda_kernels_in_the_executor(relu_pwri, monkeypatch, prefill_t):
 # --- pi-run with a device ---------------------------------------------------------------------------------------------
 
 def run_cli(*args):
-    from runtime.cli import app
+    from pinfer_llm.cli.run import app
 
     r = CliRunner().invoke(app, [str(a) for a in args])
     return r.exit_code, r.output
@@ -291,7 +292,7 @@ def test_attention_with_mixed_projection_types(relu_pwri):
     give the CPU's logits."""
     from gguf.constants import GGMLQuantizationType as T
 
-    from runtime.weights import quantize_like
+    from pinfer_llm.runtime.weights import quantize_like
 
     path, cfg = relu_pwri
     ids = list(range(4, 40, 4))
@@ -319,8 +320,8 @@ def test_device_memory_for_activations_stays_within_the_planners_workspace(relu_
     (planner/memory.py gpu_scratch_bytes), however long the prompt; and chunked passes give the CPU's logits. Under
     the CUDA emulation, whose allocations are counted like a device's (one pass of the whole 645-token prompt held
     4.7x what its passes of GPU_CHUNK did, over the bound)."""
-    from planner.memory import GPU_CHUNK, gpu_scratch_bytes
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.planner.memory import GPU_CHUNK, gpu_scratch_bytes
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     path, cfg = relu_pwri
@@ -342,8 +343,8 @@ def test_staging_buffers_do_not_grow_with_the_layers(tmp_path):
     (it was a set per layer: ~550 MB of VRAM and page-locked memory on a 70B model)."""
     import gc
 
-    from planner.memory import GPU_CHUNK
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.planner.memory import GPU_CHUNK
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     held = {}
@@ -370,8 +371,8 @@ def test_staging_buffers_do_not_grow_with_the_layers(tmp_path):
 def test_timeline_brackets_each_outermost_operation_once():
     """One pair of events per call of the device's interface, on the stream a copy names: ffn (ffn_up + ffn_down
     inside) and predict (matmul + axpy inside) are one operation each, so nothing is counted twice."""
-    from runtime.gpu import CudaDevice
-    from runtime.gpu.timing import Timeline
+    from pinfer_llm.runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu.timing import Timeline
     from tests.cuda_emu import fake_cupy
 
     dev = CudaDevice(cupy=fake_cupy)
@@ -410,7 +411,7 @@ def test_gpu_timing_reports_the_devices_compute_and_copies(relu_pwri, device):
     duration); the logits are unchanged, and without timing nothing is recorded."""
     import time as _time
 
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     path, cfg = relu_pwri
@@ -453,7 +454,7 @@ def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
     the host's share of the layer before is added into the residual by the attention norm's launch, and the
     residual for the host is written by the FFN norm's, not by launches of their own (each CuPy launch costs the
     host several us, per layer and token)."""
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     launched = []
@@ -485,7 +486,7 @@ def q4_pred_pwri(tmp_path_factory):
     from gguf import quants
     from gguf.constants import GGMLQuantizationType as T
 
-    from formats.writer import RawTensor
+    from pinfer_llm.formats.encoder import RawTensor
 
     cfg = tiny_config(ffn_act="relu", n_layer=3, n_ff=192)
     w = to_powerinfer_layout(cfg, random_weights(cfg, seed=3, scale=0.15), rank=32)
@@ -503,7 +504,7 @@ def test_quantised_predictors_stay_quantised_on_the_device(q4_pred_pwri):
     """Q4_0 predictors on the GPU are held as stored: the VRAM the placement counts (device_bytes) is what the
     upload allocates, not a third of it (an F16 copy is 3.6x a Q4_0 one), and the model's logits equal the same
     placement's on the reference device."""
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     path, cfg = q4_pred_pwri
@@ -540,8 +541,8 @@ def test_float_predictors_counted_as_the_device_holds_them(relu_pwri):
 def test_generation_after_a_prompt_of_several_passes(relu_pwri, device):
     """generate() prefills a prompt longer than GPU_CHUNK in passes whose heads are skipped until the last (their
     logits are not needed); the tokens equal the CPU's, and so do the following greedy steps."""
-    from planner.memory import GPU_CHUNK
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.planner.memory import GPU_CHUNK
+    from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
     path, cfg = relu_pwri
@@ -558,7 +559,7 @@ def test_outlier_neurons_with_the_predictor_on_the_device(tmp_path):
     """Neurons whose profiled peak is an outlier (act_peak > OUTLIER_FACTOR x the median) are computed for every
     token whatever the predictor says, on either side: with the predictor on the GPU, the device forces their
     scores and the CPU adds its own outliers to the ids it gets back."""
-    from runtime.ffn_sparse import OUTLIER_FACTOR
+    from pinfer_llm.runtime.ffn.sparse import OUTLIER_FACTOR
 
     cfg = tiny_config(ffn_act="relu", n_layer=2, n_ff=192)
     w = to_powerinfer_layout(cfg, random_weights(cfg, seed=3, scale=0.15))

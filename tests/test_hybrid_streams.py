@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from planner.memory import GPU_CHUNK
-from runtime import hybrid, load_model
-from runtime.gpu import ReferenceDevice
-from runtime.placement import Placement
+from pinfer_llm.planner.memory import GPU_CHUNK
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.gpu import ReferenceDevice
+from pinfer_llm.runtime.hybrid import executor as hybrid
+from pinfer_llm.runtime.hybrid.placement import Placement
 from tests.strict_device import StreamOrderError, StrictStreams
 from tests.test_hybrid import logits, random_placement, relu_pwri  # noqa: F401 (a fixture)
 

@@ -1,8 +1,8 @@
 """Kill every writer (kill -9 and SIGTERM) at each of its steps: the file stays valid and holds either what it held
 or everything it was to hold; no temporary file survives the next write.
 
-A child process runs one write with formats.writer.hook set to signal itself at a named step (see the checkpoint()
-calls in formats/writer.py and formats/update.py)."""
+A child process runs one write with formats.atomic.hook set to signal itself at a named step (see the checkpoint()
+calls in formats/atomic.py, formats/encoder.py and formats/update.py)."""
 
 import hashlib
 import os
@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from formats import constants as C
-from formats.gpuidx import write_gpuidx
-from formats.reader import open_gguf
-from formats.update import update_model, write_copy
-from formats.writer import write_gguf
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.gpuidx import write_gpuidx
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.update import update_model, write_copy
+from pinfer_llm.formats.writer import write_gguf
 from tests.tiny import write_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,15 +27,15 @@ CHILD = r"""
 import os, signal, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from formats import writer
+from pinfer_llm.formats import atomic
 from tests.test_kill_writers import do_write
 kind, path, point, sig, tmpfile = sys.argv[2:7]
 def hook(name):
     if name == point:
         os.kill(os.getpid(), getattr(signal, sig))
         time.sleep(2)  # SIGTERM: the handler raises at the next bytecode, here
-writer.hook = hook
-writer.USE_O_TMPFILE = tmpfile == "1"
+atomic.hook = hook
+atomic.USE_O_TMPFILE = tmpfile == "1"
 do_write(kind, path)
 """
 

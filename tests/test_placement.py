@@ -1,16 +1,16 @@
-"""Where pi-run's parts run with a GPU (runtime/placement.py): the plan in the file, PowerInfer's .gpuidx, or a new
-plan, each refused with a one-line reason when it was made for another model, GPU or more memory."""
+"""Where pi-run's parts run with a GPU (runtime/hybrid/placement.py): the plan in the file, PowerInfer's .gpuidx, or a
+new plan, each refused with a one-line reason when it was made for another model, GPU or more memory."""
 
 import numpy as np
 import pytest
 
-from formats import constants as C
-from formats.gpuidx import gpuidx_path, write_gpuidx
-from formats.model_writer import write_llama
-from formats.reader import open_gguf
-from formats.update import update_model
-from planner.cli import main as pi_plan
-from runtime import placement as pl
+from pinfer_llm.cli.plan import main as pi_plan
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.gpuidx import gpuidx_path, write_gpuidx
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.update import update_model
+from pinfer_llm.runtime.hybrid import placement as pl
 from tests.tiny import random_weights, tiny_config
 
 GIB = 1 << 30
@@ -120,7 +120,7 @@ def test_baselines_and_budget_errors(model):
 def test_whole_model_placement_that_does_not_fit_says_by_how_much(model):
     """--placement gpu with too little VRAM: the error names what the model needs, what the budget leaves after
     the workspace, and what to do."""
-    from planner.memory import account
+    from pinfer_llm.planner.memory import account
 
     path, _ = model
     f = open_gguf(path)
@@ -163,8 +163,8 @@ def test_the_cuda_device_as_its_driver_describes_it(monkeypatch):
     memory."""
     import types
 
-    from runtime import devices
-    from runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.gpu import CudaDevice
+    from pinfer_llm.runtime.hybrid import devices
     from tests.cuda_emu import fake_cupy
 
     props = {"name": b"NVIDIA GeForce RTX 4090", "memoryClockRate": 10_501_000, "memoryBusWidth": 384}

@@ -9,14 +9,14 @@ import torch
 from test_plan_helpers import digest, fast_hw, gpu, leftovers, tiny_model
 from typer.testing import CliRunner
 
-from formats import constants as C
-from formats.errors import PinferError
-from formats.reader import open_gguf
-from formats.writer import rewrite_gguf
-from planner.cli import app, normalize_argv
-from planner.ilp import solve
-from planner.problem import build_problem
-from planner.skeleton import skeleton_from
+from pinfer_llm.cli.plan import app, normalize_argv
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.update import rewrite_gguf
+from pinfer_llm.planner.ilp import solve
+from pinfer_llm.planner.problem import build_problem
+from pinfer_llm.planner.skeleton import skeleton_from
 
 CPU_OPTS = ["--cpu-cores", "4", "--cpu-bw", "20", "--host-ram", "64"]
 runner = CliRunner()
@@ -44,7 +44,7 @@ FAST_HW = ("[cpu]\ncores = 4\nmem_bw_gbs = 2\nhost_ram_gib = 64\nop_us = 0.01\nt
 
 def split_budget(model: Path, share: float = 0.5) -> str:
     """--vram-budget (GiB) for the GPU workspace, output head, predictors and `share` of the FFN neurons' bytes."""
-    from planner.memory import account
+    from pinfer_llm.planner.memory import account
 
     mb = account(open_gguf(model))
     fixed = mb.gpu_workspace + mb.output + sum(lb.pred for lb in mb.layers)
@@ -275,7 +275,7 @@ def test_hw_file_describes_a_machine(model, tmp_path):
 def test_infeasible_problem(unchanged):
     # VRAM and host RAM together hold less than the model
     m = open_gguf(unchanged)
-    from planner.memory import account
+    from pinfer_llm.planner.memory import account
 
     mb = account(m)
     host = (mb.host_fixed + mb.host_reserve + 1000) / (1 << 30)
@@ -312,13 +312,13 @@ def test_no_gpu(unchanged):
 
 
 def test_interrupted_rewrite_leaves_the_original(unchanged, monkeypatch):
-    from formats import writer
+    from pinfer_llm.formats import atomic
 
     def interrupt(point):
         if point == "section-written":
             raise KeyboardInterrupt  # as if ^C arrived after the plan's bytes, before the slot that commits them
 
-    monkeypatch.setattr(writer, "hook", interrupt)
+    monkeypatch.setattr(atomic, "hook", interrupt)
     r = plan(unchanged, "--gpu", "t4")
     assert r.exit_code == 130
     assert "interrupted" in r.stderr
@@ -368,7 +368,7 @@ def test_compare_gpu_with_an_empty_name(unchanged, spec):
 def test_unknown_gap_is_reported_as_unknown(tmp_path, monkeypatch):
     """A solve stopped by its time limit whose bound the solver does not give: null in JSON, "unknown" in the table
     and in `show`, no gap key in the file; never 0."""
-    from planner import ilp
+    from pinfer_llm.planner import ilp
 
     model = tiny_model(tmp_path / "m12.gguf", n_layer=12)  # 3 layers: CBC's root LP is integral before any clock
 

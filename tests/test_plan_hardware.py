@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from formats.errors import PinferError
-from planner import machine
-from planner.calibration import Sample, calibrate, fit
-from planner.hardware import CPU, gpu_table, load_hw_file, lookup_gpu
-from planner.machine import resolve_hardware
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.planner import machine
+from pinfer_llm.planner.calibration import Sample, calibrate, fit
+from pinfer_llm.planner.hardware import CPU, gpu_table, load_hw_file, lookup_gpu
+from pinfer_llm.planner.machine import resolve_hardware
 
 
 @pytest.fixture(autouse=True)
@@ -128,8 +128,8 @@ def test_calibration_is_cached_and_applied(no_measuring, monkeypatch):
 
 
 def test_cost_model_uses_the_link():
-    from planner.costmodel import speeds
-    from planner.hardware import Hardware
+    from pinfer_llm.planner.costmodel import speeds
+    from pinfer_llm.planner.hardware import Hardware
 
     cpu = CPU("c", 8, 50.0, 64.0)
     fast, slow = Hardware(cpu, [lookup_gpu("rtx4090")]), Hardware(cpu, [lookup_gpu("rtx4060ti-16g")])
@@ -154,13 +154,13 @@ def test_hybrid_calibration_recovers_the_machine(tmp_path):
     was not fitted on exactly."""
     from dataclasses import replace
 
-    from formats.reader import open_gguf
-    from planner.baselines import cpu_plan, layers_plan, powerinfer_plan
-    from planner.calibration import calibrate_hybrid
-    from planner.costmodel import costs, evaluate
-    from planner.memory import account
-    from planner.plan import Plan
-    from planner.problem import build_problem
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.planner.baselines import cpu_plan, layers_plan, powerinfer_plan
+    from pinfer_llm.planner.calibration import calibrate_hybrid
+    from pinfer_llm.planner.costmodel import costs, evaluate
+    from pinfer_llm.planner.memory import account
+    from pinfer_llm.planner.plan import Plan
+    from pinfer_llm.planner.problem import build_problem
     from tests.test_plan_helpers import fast_hw, gpu, tiny_model
 
     path = tiny_model(tmp_path / "m.gguf", n_layer=6, n_ff=96)

@@ -12,9 +12,10 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from formats import constants as C
-from formats.writer import RawTensor, write_gguf
-from planner.hardware import CPU, GPU, Hardware
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.writer import write_gguf
+from pinfer_llm.planner.hardware import CPU, GPU, Hardware
 
 GIB = 1 << 30
 
@@ -84,8 +85,8 @@ def gpu(name: str = "testgpu", budget_bytes: int | None = None, model: Path | No
 
 
 def workspace_bytes(model: Path) -> int:
-    from formats.reader import open_gguf
-    from planner.memory import account
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.planner.memory import account
 
     return account(open_gguf(model)).gpu_workspace
 
@@ -106,7 +107,7 @@ def leftovers(directory: Path) -> list[str]:
 
 
 def test_tiny_model_opens(tmp_path):
-    from formats.reader import open_gguf
+    from pinfer_llm.formats.reader import open_gguf
 
     f = open_gguf(tiny_model(tmp_path / "m.gguf"))
     assert f.tensors[C.tensor(C.FFN_UP, 0)].shape == (96, 64)

@@ -14,13 +14,13 @@ import pulp
 import pytest
 from test_plan_helpers import fast_hw, gpu, tiny_model
 
-from formats.reader import open_gguf
-from planner import ilp
-from planner.costmodel import evaluate
-from planner.ilp import build_model, solve
-from planner.memory import account
-from planner.plan import CPU, Plan
-from planner.problem import build_problem
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.planner import ilp
+from pinfer_llm.planner.costmodel import evaluate
+from pinfer_llm.planner.ilp import build_model, solve
+from pinfer_llm.planner.memory import account
+from pinfer_llm.planner.plan import CPU, Plan
+from pinfer_llm.planner.problem import build_problem
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +149,7 @@ def test_min_gpu_neurons_is_a_valid_cut(tmp_path):
     # With C_l, and without it, the optimum is the same (it only removes placements that are never better).
     p = _problem(tmp_path, share=0.3, seed=2)
     p.costs.sync[:] *= 50  # a costly sync makes C_l large
-    from planner.costmodel import min_gpu_neurons
+    from pinfer_llm.planner.costmodel import min_gpu_neurons
 
     p.c_min = min_gpu_neurons(p.costs, p.prefix)
     assert p.c_min[:, 1].min() > 1
@@ -277,7 +277,7 @@ def test_sigterm_stops_the_solver_and_cleans_up(tmp_path):
     systemp = tmp_path / "systemp"
     systemp.mkdir()
     env = dict(os.environ, TMPDIR=str(systemp), PINFER_CACHE_DIR=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "planner.cli", str(model), "--hw", str(hw), "--dry-run", "--time-limit", "120"]
+    cmd = [sys.executable, "-m", "pinfer_llm.cli.plan", str(model), "--hw", str(hw), "--dry-run", "--time-limit", "120"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parent.parent)
     solver_pid, deadline = None, time.monotonic() + 120
@@ -314,9 +314,10 @@ def _cmdline(pid: int) -> bytes:
 
 def test_baselines_are_computed_once(tmp_path, monkeypatch):
     """plan_model computes the baselines and hands them to the solve, whose start and coarse solve use them."""
-    from planner import baselines, cli
-    from planner.machine import resolve_hardware
-    from planner.skeleton import make_skeleton
+    from pinfer_llm.cli import plan as cli
+    from pinfer_llm.planner import baselines
+    from pinfer_llm.planner.machine import resolve_hardware
+    from pinfer_llm.planner.skeleton import make_skeleton
 
     path = make_skeleton("llama2-7b", tmp_path / "7b.gguf", quant="q4_0", n_layer=3)  # > 64 groups: a coarse solve
     calls = []

@@ -6,13 +6,13 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 from test_plan_helpers import fast_hw, gpu, tiny_model
 
-from formats import constants as C
-from formats.reader import open_gguf
-from planner.ilp import solve
-from planner.memory import account, tensor_table
-from planner.planfile import fingerprint
-from planner.problem import build_problem
-from planner.skeleton import SHAPES, make_skeleton, skeleton_from, tensor_specs
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.planner.ilp import solve
+from pinfer_llm.planner.memory import account, tensor_table
+from pinfer_llm.planner.planfile import fingerprint
+from pinfer_llm.planner.problem import build_problem
+from pinfer_llm.planner.skeleton import SHAPES, make_skeleton, skeleton_from, tensor_specs
 
 
 @pytest.fixture(autouse=True)
@@ -137,14 +137,14 @@ def test_smollm2_accounting(smollm2):
     placed = sum(lb.attn + lb.ffn for lb in m.layers) + m.output
     assert placed == sum(t.nbytes for t in f.tensors.values())  # every byte once, plus the tied copy
     # no statistics in the file: planning it asks for them
-    from formats.errors import PinferError
+    from pinfer_llm.formats.errors import PinferError
 
     with pytest.raises(PinferError, match="pi-profile"):
         build_problem(f, fast_hw([gpu()]))
 
 
 def test_planning_never_reads_weights(tmp_path, monkeypatch):
-    from formats.reader import GGUFFile
+    from pinfer_llm.formats.header import GGUFFile
 
     path = tiny_model(tmp_path / "m.gguf")
     read = []

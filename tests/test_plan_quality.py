@@ -8,13 +8,13 @@ benchmarks/plan_quality.py.
 
 import pytest
 
-from formats.reader import open_gguf
-from planner.baselines import all_baselines
-from planner.hardware import CPU, GIB, Hardware, gpu_table, lookup_gpu
-from planner.ilp import solve
-from planner.memory import account
-from planner.problem import build_problem
-from planner.skeleton import SHAPES, make_skeleton
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.planner.baselines import all_baselines
+from pinfer_llm.planner.hardware import CPU, GIB, Hardware, gpu_table, lookup_gpu
+from pinfer_llm.planner.ilp import solve
+from pinfer_llm.planner.memory import account
+from pinfer_llm.planner.problem import build_problem
+from pinfer_llm.planner.skeleton import SHAPES, make_skeleton
 
 LAYERS = 3
 HOST = CPU("test-cpu", 16, 60.0, 256.0)

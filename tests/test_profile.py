@@ -8,14 +8,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import synth
-from formats import constants as C
-from formats.reader import open_gguf
-from runtime import activity, corpus, predictor_training, profile_store
-from runtime.engine import load_model
-from runtime.predictor import Predictor, load_predictors
-from runtime.profile import profile
-from runtime.profile_cli import app
+from pinfer_llm import synth
+from pinfer_llm.cli.profile import app
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.runtime.engine import load_model
+from pinfer_llm.runtime.ffn.predictor import Predictor, load_predictors
+from pinfer_llm.runtime.profiling import activity, corpus
+from pinfer_llm.runtime.profiling import store as profile_store
+from pinfer_llm.runtime.profiling import training as predictor_training
+from pinfer_llm.runtime.profiling.counting import profile
 from tests.tiny import random_weights, tiny_config, write_tiny
 
 runner = CliRunner()
@@ -160,7 +162,7 @@ def test_store_new_file_and_in_place(relu_model, tmp_path):
 
 
 def test_interrupted_rewrite_leaves_original(relu_model, tmp_path, monkeypatch):
-    from formats import writer
+    from pinfer_llm.formats import atomic
 
     src = tmp_path / "m.gguf"
     src.write_bytes(relu_model.read_bytes())
@@ -172,7 +174,7 @@ def test_interrupted_rewrite_leaves_original(relu_model, tmp_path, monkeypatch):
         if point == "section-written":
             raise KeyboardInterrupt  # after the statistics' bytes, before the slot that commits them
 
-    monkeypatch.setattr(writer, "hook", dies_midway)
+    monkeypatch.setattr(atomic, "hook", dies_midway)
     code, out = invoke(src, "--tokens", 300, "--ctx", 128)
     assert code == 130 and "interrupted" in out
     assert "section-written" in points
@@ -195,7 +197,7 @@ def activation_dir(tmp_path, per_layer):
 def twelve_layers(tmp_path_factory):
     p = tmp_path_factory.mktemp("deep") / "deep.gguf"
     cfg = tiny_config(n_layer=12, n_embd=32, n_ff=48, n_head=2, n_head_kv=2, ffn_act="relu")
-    from formats.model_writer import write_llama
+    from pinfer_llm.formats.model_writer import write_llama
 
     write_llama(p, cfg, random_weights(cfg))
     return p, cfg
@@ -290,8 +292,8 @@ def test_quantised_predictors_are_read_in_place(tmp_path, qtype):
     from gguf import quants
     from gguf.constants import GGMLQuantizationType as T
 
-    from formats.writer import RawTensor
-    from runtime.weights import QWeight
+    from pinfer_llm.formats.encoder import RawTensor
+    from pinfer_llm.runtime.weights import QWeight
     from tests.tiny import to_powerinfer_layout
 
     cfg = tiny_config(ffn_act="relu", n_ff=192)
@@ -302,7 +304,7 @@ def test_quantised_predictors_are_read_in_place(tmp_path, qtype):
             a = w[name].astype(np.float32)
             w[name] = RawTensor(quants.quantize(a, qt), int(qt), a.shape)
     path = tmp_path / "q.gguf"
-    from formats.model_writer import write_llama
+    from pinfer_llm.formats.model_writer import write_llama
     write_llama(path, cfg, w, powerinfer=True)
     preds = load_predictors(open_gguf(path), cfg.n_layer, fc2_t=True)
     g = torch.Generator().manual_seed(0)
@@ -375,7 +377,7 @@ def test_margin_regression_beats_mask_regression():
     """Inputs in clusters with their own means (OPT's learned positions do this) and neurons with their own
     thresholds: least squares on the 0/1 mask ranks tokens badly and puts neurons on different scales, the margin
     (the pre-activation minus the threshold) does neither. Regression only (steps=0), the same ladder."""
-    from runtime.profile import Samples, split_labels
+    from pinfer_llm.runtime.profiling.counting import Samples, split_labels
 
     g = torch.Generator().manual_seed(0)
     N, d, n_ff, r, P = 6000, 64, 256, 8, 64
@@ -460,7 +462,7 @@ def test_fold_thresholds_keeps_decisions():
 
 
 def test_per_layer_thresholds_when_signs_differ(relu_model, tmp_path):
-    from formats.writer import rewrite_gguf
+    from pinfer_llm.formats.update import rewrite_gguf
 
     g = torch.Generator().manual_seed(0)
     preds = [Predictor(torch.randn(8, 64, generator=g).half(), torch.randn(256, 8, generator=g).half(), t)
@@ -476,7 +478,7 @@ def test_per_layer_thresholds_when_signs_differ(relu_model, tmp_path):
 # --- bad input --------------------------------------------------------------------------------------------------------
 
 def test_no_ffn_we_understand(tmp_path):
-    from formats.model_writer import write_llama
+    from pinfer_llm.formats.model_writer import write_llama
 
     cfg = tiny_config()
     w = random_weights(cfg)
@@ -503,7 +505,7 @@ def test_too_few_tokens_for_predictors(relu_model):
 
 
 def test_training_pairs_larger_than_memory_are_refused_before_running(relu_model, monkeypatch):
-    from runtime import profile as profile_mod
+    from pinfer_llm.runtime.profiling import counting as profile_mod
 
     before = digest(relu_model)
     # 2 layers x 3000 tokens x (64 floats + 32 mask bytes + 256 margins + a scale) = 3.1 MiB of pairs
@@ -541,7 +543,7 @@ def test_import_wrong_predictor_dir(relu_model, tmp_path):
 def test_cli_ladder_is_the_trainers():
     """pi-profile's --ladder default (spelled out there so --help needs no torch) is the trainer's, all sizes
     multiples of 32 (PowerInfer's quantize needs whole blocks of 32 in fc2's rows)."""
-    from runtime import profile_cli
+    from pinfer_llm.cli import profile as profile_cli
 
     assert profile_cli.DEFAULT_LADDER == predictor_training.DEFAULT_LADDER
     assert all(h % 32 == 0 for h in predictor_training.DEFAULT_LADDER)

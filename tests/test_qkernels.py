@@ -1,4 +1,4 @@
-"""Exactness of the C++ kernels on weights as GGUF stores them (runtime/csrc/ops.cpp), for every op, weight type and
+"""Exactness of the C++ kernels on weights as GGUF stores them (runtime/cpu/csrc/ops.cpp), for every op, weight type and
 instruction-set path: each test runs on three builds loaded side by side, the runtime's (-march=native here) and the
 x86-64-v3 (AVX2) and x86-64 (portable) ones.
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import cpu_kernels
+from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 
 pytestmark = pytest.mark.skipif(os.environ.get("PINFER_CPU_KERNELS") == "0", reason="PINFER_CPU_KERNELS=0")
 
@@ -82,7 +82,7 @@ def encode(rng: np.random.Generator, rows: int, cols: int, t: int, scale: float 
 
 
 def decode(raw: np.ndarray, t: int) -> np.ndarray:
-    """Reference dequantisation, float64 [rows, cols], from the block layouts (runtime/csrc/quant.h)."""
+    """Reference dequantisation, float64 [rows, cols], from the block layouts (runtime/cpu/csrc/quant.h)."""
     raw = np.ascontiguousarray(raw)
     rows = raw.shape[0]
     if t == F32:

@@ -13,12 +13,13 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from formats.model_writer import write_llama
-from formats.reader import open_gguf
-from formats.writer import RawTensor
-from runtime import load_model, qops
-from runtime.loader import _matrices
-from runtime.weights import KERNEL_TYPES, SUPPORTED_TYPES, QWeight, as_q8_0, qweight
+from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.cpu import qops
+from pinfer_llm.runtime.loader import _matrices
+from pinfer_llm.runtime.weights import KERNEL_TYPES, SUPPORTED_TYPES, QWeight, as_q8_0, qweight
 from tests.tiny import random_weights, tiny_config
 
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16]  # gguf.quants can write these
@@ -117,7 +118,7 @@ def test_kernels_read_the_kernel_types_in_place(model):
 @pytest.mark.parametrize("qt", [T.Q5_0, T.Q5_1, *K_QUANTS])
 def test_q8_0_re_encoding_is_ggmls(qt, kernel):
     """A type without a kernel becomes exactly the Q8_0 that gguf.quants makes of its dequantised values (Q5_0: the
-    Q8_0 that holds its values exactly), by the C++ op (runtime/csrc/requant.cpp) and by the numpy path alike."""
+    Q8_0 that holds its values exactly), by the C++ op (runtime/cpu/csrc/requant.cpp) and by the numpy path alike."""
     if kernel and not KERNELS:
         pytest.skip("the C++ kernels are not built here")
     rng = np.random.default_rng(int(qt))
@@ -164,8 +165,8 @@ def test_decode_matches_prefill(model):
 def test_planner_counts_what_the_runtime_holds(model):
     """pi-plan's byte accounting charges each matrix what pinfer holds: as stored for kernel types, the re-encoding
     (runtime.weights.runnable) for the others; the planner's table of re-encoded types is the runtime's."""
-    from planner.memory import RUN_AS, account, run_bytes
-    from runtime.weights import runnable
+    from pinfer_llm.planner.memory import RUN_AS, account, run_bytes
+    from pinfer_llm.runtime.weights import runnable
 
     assert set(RUN_AS) == SUPPORTED_TYPES - KERNEL_TYPES
     kind, path, _, _ = model
@@ -181,7 +182,7 @@ def test_planner_counts_what_the_runtime_holds(model):
 
 
 def q4k_as_q4_1_reference(raw: np.ndarray, cols: int) -> np.ndarray:
-    """Q4_K rows [n, cols / 256 * 144] as Q4_1 rows, in numpy (the definition runtime/csrc/requant.cpp follows)."""
+    """Q4_K rows [n, cols / 256 * 144] as Q4_1 rows, in numpy (the definition runtime/cpu/csrc/requant.cpp follows)."""
     n = raw.shape[0]
     b = raw.reshape(n, cols // 256, 144)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
@@ -203,7 +204,7 @@ def test_q4_k_becomes_q4_1_exactly_as_defined():
     the f16 rounding of each sub-block's scale and min (Q8_0 would round every value to 8 bits instead)."""
     if not KERNELS:
         pytest.skip("the C++ kernels are not built here")
-    from runtime.weights import as_q4_1
+    from pinfer_llm.runtime.weights import as_q4_1
 
     rng = np.random.default_rng(4)
     rows, cols = 37, 768

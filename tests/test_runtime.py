@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from formats import constants as C
-from formats.config import config_from_gguf
-from formats.model_writer import write_llama
-from formats.reader import open_gguf
-from runtime import load_model
-from runtime.sampling import SamplingParams, make_sampler
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.config import config_from_gguf
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.sampling import SamplingParams, make_sampler
 from tests.tiny import random_weights, tiny_config, to_powerinfer_layout, write_tiny
 
 
@@ -85,7 +85,7 @@ def test_prefill_in_chunks_equals_one_pass(tmp_path, monkeypatch):
     m = load_model(tmp_path / "m.gguf", threads=2)
     ids = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 50))
     one = m.forward_logits(ids)
-    monkeypatch.setattr("runtime.engine.PREFILL_CHUNK", 16)
+    monkeypatch.setattr("pinfer_llm.runtime.engine.PREFILL_CHUNK", 16)
     chunked = m.forward_logits(ids)
     assert np.abs(one - chunked).max() < 1e-4
 

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from formats import constants as C
-from formats import section as S
-from formats.errors import PinferError
-from formats.reader import open_gguf
-from formats.update import check_writable, header_fingerprint, update_model, write_copy
-from formats.writer import RawTensor, write_gguf
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats import section as S
+from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.update import check_writable, header_fingerprint, update_model, write_copy
+from pinfer_llm.formats.writer import write_gguf
 from tests.tiny import write_tiny
 
 
@@ -112,7 +113,7 @@ def test_open_readers_keep_their_section(tmp_path):
 
 
 def test_a_torn_slot_leaves_the_older_slot_in_charge(tmp_path, monkeypatch):
-    from formats import writer
+    from pinfer_llm.formats import atomic
 
     p = model(tmp_path / "m.gguf")
     update_model(p, set_metadata={"pinfer.v": 1})
@@ -121,10 +122,10 @@ def test_a_torn_slot_leaves_the_older_slot_in_charge(tmp_path, monkeypatch):
         if point == "slot-torn":  # 16 of the slot's 32 bytes written: its generation and offset are new
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer, "hook", tear)
+    monkeypatch.setattr(atomic, "hook", tear)
     with pytest.raises(KeyboardInterrupt):
         update_model(p, set_metadata={"pinfer.v": 2})
-    monkeypatch.setattr(writer, "hook", None)
+    monkeypatch.setattr(atomic, "hook", None)
     f = open_gguf(p)
     assert f.get("pinfer.v") == 1 and f.section.generation == 1 and "slot" in f.warnings[0]
     update_model(p, set_metadata={"pinfer.v": 3})  # the next write takes over the torn slot
@@ -264,10 +265,10 @@ def test_write_copy_moves_tensors_earlier_versions_put_in_headers(tmp_path):
 
 def test_no_named_temporary_exists_while_a_file_is_written(tmp_path, monkeypatch):
     """Until it is complete, a new file has no name (O_TMPFILE): a kill -9 before then leaves nothing behind."""
-    from formats import writer
+    from pinfer_llm.formats import atomic
 
     seen = {}
-    monkeypatch.setattr(writer, "hook", lambda name: seen.setdefault(name, sorted(x.name for x in tmp_path.iterdir())))
+    monkeypatch.setattr(atomic, "hook", lambda name: seen.setdefault(name, sorted(x.name for x in tmp_path.iterdir())))
     model(tmp_path / "m.gguf")
     assert seen["temp-created"] == seen["data"] == seen["written"] == seen["synced"] == []
     assert seen["renamed"] == ["m.gguf"]
@@ -297,7 +298,7 @@ def test_an_update_waits_for_a_whole_file_write_and_lands_in_the_new_file(tmp_pa
     meanwhile waits, then finds the new file and stores into it (instead of into the replaced one, and lost)."""
     import threading
 
-    from formats import writer
+    from pinfer_llm.formats import atomic
 
     p = model(tmp_path / "m.gguf")
     started, go = threading.Event(), threading.Event()
@@ -307,7 +308,7 @@ def test_an_update_waits_for_a_whole_file_write_and_lands_in_the_new_file(tmp_pa
             started.set()
             assert go.wait(30)
 
-    monkeypatch.setattr(writer, "hook", pause)
+    monkeypatch.setattr(atomic, "hook", pause)
     rewrite = threading.Thread(name="rewriter", target=lambda: model(p, n=128))
     rewrite.start()
     assert started.wait(30)
@@ -328,7 +329,7 @@ def test_a_reader_whose_map_is_older_than_the_section_remaps(tmp_path):
     concurrent-writers test read a model with no section at all: both slots lay past its map)."""
     import mmap
 
-    from formats.reader import parse_file
+    from pinfer_llm.formats.reader import parse_file
 
     p = model(tmp_path / "m.gguf")
     update_model(p, set_metadata={"pinfer.a": 1}, set_tensors={"t": np.zeros(100, np.float32)})

@@ -10,8 +10,8 @@ import openai
 import pytest
 import torch
 
-from runtime import load_model
-from runtime.chat import encode_chat
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.generation.chat import encode_chat
 from tests.tiny_server import start_server, write_chat_model
 
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -308,15 +308,15 @@ def test_health_answers_while_generating(served, slow):
 
 
 def test_hybrid_model_serves_turns(served):
-    """pi-serve over a model split between the GPU stand-in and the CPU (runtime/hybrid.py: attention and the
+    """pi-serve over a model split between the GPU stand-in and the CPU (runtime/hybrid/executor.py: attention and the
     residual stream on the device, every FFN split): requests run on the server's worker thread, the second turn
     reuses the KV cache (in device memory), and the answers are the CPU model's."""
     import numpy as np
 
-    from runtime import hybrid
-    from runtime.gpu import ReferenceDevice
-    from runtime.placement import Placement
-    from runtime.server import create_app
+    from pinfer_llm.runtime.gpu import ReferenceDevice
+    from pinfer_llm.runtime.hybrid import executor as hybrid
+    from pinfer_llm.runtime.hybrid.placement import Placement
+    from pinfer_llm.runtime.serving.server import create_app
     from tests.tiny_server import RunningServer
 
     ref = served[2]

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from runtime import serve_cli
-from runtime.serve_cli import app
+from pinfer_llm.cli import serve as serve_cli
+from pinfer_llm.cli.serve import app
 from tests.tiny_server import write_chat_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,8 +80,8 @@ def test_serves_on_the_reference_device(model):
     """--gpu reference: the hybrid executor with the CPU stand-in for the GPU serves the same greedy answer."""
     from starlette.testclient import TestClient
 
-    from runtime import load_model
-    from runtime.server import create_app
+    from pinfer_llm.runtime import load_model
+    from pinfer_llm.runtime.serving.server import create_app
 
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
     answers = []
@@ -94,7 +94,7 @@ def test_serves_on_the_reference_device(model):
 
 
 def test_serves_and_stops_on_sigint(model):
-    p = subprocess.Popen([sys.executable, "-m", "runtime.serve_cli", str(model), "--port", "0", "-t", "1",
+    p = subprocess.Popen([sys.executable, "-m", "pinfer_llm.cli.serve", str(model), "--port", "0", "-t", "1",
                           "--api-key", "k"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=os.environ | {"PYTHONUNBUFFERED": "1"})
     try:

@@ -205,7 +205,7 @@ def test_internal_error_is_500_without_traceback(http, served):
 def test_failure_in_a_handler_is_500_without_traceback(http, monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("planted failure in the handler")
-    monkeypatch.setattr("runtime.server.encode_chat", broken)
+    monkeypatch.setattr("pinfer_llm.runtime.serving.server.encode_chat", broken)
     assert_error(http.post(CHAT, json=GOOD), 500, "internal error", "planted failure in the handler",
                  code="internal_error")
     monkeypatch.undo()

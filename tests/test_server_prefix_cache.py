@@ -8,11 +8,11 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from formats import constants as C
-from formats.model_writer import write_llama
-from formats.writer import RawTensor
-from runtime import load_model
-from runtime.engine import REUSE_MIN_PREFILL
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.engine import REUSE_MIN_PREFILL
 from tests.tiny import random_weights, tiny_config, write_tiny
 
 
@@ -127,7 +127,7 @@ def test_forward_logits_replaces_the_record(model):
 
 
 def test_prefix_across_prefill_chunks(model, monkeypatch):
-    monkeypatch.setattr("runtime.engine.PREFILL_CHUNK", 8)
+    monkeypatch.setattr("pinfer_llm.runtime.engine.PREFILL_CHUNK", 8)
     a = prompt(30, 15)
     greedy(model, a, reuse=True)
     check_same_as_fresh(model, a[:21] + prompt(16, 16), expect_reused=21)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from runtime.stop_strings import StopStrings
+from pinfer_llm.runtime.generation.stop_strings import StopStrings
 
 
 def run(stops, deltas):

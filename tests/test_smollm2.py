@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from formats.reader import open_gguf
-from formats.tokenizer import load_tokenizer
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.tokenizer import load_tokenizer
 
 GOLDEN_IDS = {  # llama.cpp (llama-cpp-python 0.3.36) tokenize(..., add_bos=False, special=True) on the same file
     'Hello world': [19556, 905],

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from formats import constants as C
-from formats.model_writer import write_llama
-from runtime import load_model
-from synth import SynthSpec, generate
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.runtime import load_model
+from pinfer_llm.synth import SynthSpec, generate
 from tests.tiny import random_weights, tiny_config
 
 
@@ -49,8 +49,9 @@ def test_oracle_masks_equal_dense(planted):
 def test_oracle_kernel_path_counts_like_the_masks(planted, monkeypatch):
     """Decode with --oracle-masks runs the C++ kernel over every neuron (gate rows decide); its logits and active
     counts equal the mask-then-compute path's (torch's kernels)."""
-    from runtime import cpu_kernels, ffn_sparse
-    from runtime import sparse_ops as S
+    from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+    from pinfer_llm.runtime.ffn import ops as S
+    from pinfer_llm.runtime.ffn import sparse as ffn_sparse
 
     if os.environ.get("PINFER_CPU_KERNELS") == "0":
         pytest.skip("PINFER_CPU_KERNELS=0: the C++ kernels are disabled")
@@ -125,7 +126,7 @@ def test_predictor_masks_are_applied_per_token(tmp_path):
 def test_sparse_without_predictors_says_what_to_run(tmp_path):
     from typer.testing import CliRunner
 
-    from runtime.cli import app
+    from pinfer_llm.cli.run import app
 
     cfg = tiny_config(ffn_act="relu")
     write_llama(tmp_path / "m.gguf", cfg, random_weights(cfg))
@@ -157,7 +158,7 @@ def test_outlier_neurons_are_always_computed(tmp_path):
 def test_stored_down_t_is_used(tmp_path):
     """pi-profile --store-down-t puts ffn_down_t beside ffn_down (in pinfer's section): sparse runs read it instead of
     transposing ffn_down at load, with the same logits, and a dense run still reads ffn_down."""
-    from runtime.profile_cli import app
+    from pinfer_llm.cli.profile import app
 
     cfg = tiny_config(ffn_act="relu")
     path = tmp_path / "m.gguf"

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as T
 
-from formats.errors import PinferError
-from runtime import cpu_kernels
-from runtime import sparse_ops as S
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+from pinfer_llm.runtime.ffn import ops as S
 
 N_FF, D = 320, 96
 
@@ -290,8 +290,8 @@ def test_gateless_relu_exact_masks_come_from_up_plus_bias(gateless, T):
 def test_gateless_rows_without_kernels_use_the_packed_copy(gateless, monkeypatch):
     """FFNRows as the loader builds it for Falcon/OPT (gate None, up bias), with the C++ kernels unavailable: the
     torch fallback packs the up rows with their bias and computes the same FFN."""
-    from runtime import qops
-    from runtime.weights import quantize_like
+    from pinfer_llm.runtime.cpu import qops
+    from pinfer_llm.runtime.weights import quantize_like
 
     up, bias, down_t = gateless
     rows = S.FFNRows(None, quantize_like(up, T.F32, "up"), quantize_like(down_t, T.F32, "down_t"), "relu", bias)

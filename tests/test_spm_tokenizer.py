@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm  # the test extra: a missing reference is a failure, not a skip
 
-from formats import constants as C
-from formats.tokenizer import load_tokenizer
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -26,7 +26,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
-    from runtime.corpus import builtin_corpus
+    from pinfer_llm.runtime.profiling.corpus import builtin_corpus
 
     d = tmp_path_factory.mktemp("spm")
     text = "\n".join(p.read_text(encoding="utf-8") for p in builtin_corpus())

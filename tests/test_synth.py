@@ -5,15 +5,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import runtime
-import synth
-from formats import constants as C
-from formats.config import config_from_gguf
-from formats.errors import PinferError
-from formats.reader import open_gguf
-from formats.tokenizer import load_tokenizer
-from synth import generator as synth_generator
-from synth.__main__ import app as synth_app
+from pinfer_llm import runtime, synth
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.config import config_from_gguf
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.tokenizer import load_tokenizer
+from pinfer_llm.synth import generator as synth_generator
+from pinfer_llm.synth.__main__ import app as synth_app
 
 TINY = dict(n_layer=2, n_embd=64, n_ff=256, n_head=4, n_head_kv=2, vocab="bytes")
 

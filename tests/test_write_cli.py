@@ -5,8 +5,8 @@ import time
 
 from typer.testing import CliRunner
 
-from runtime.engine import resolve_model_path
-from runtime.profile_cli import app
+from pinfer_llm.cli.profile import app
+from pinfer_llm.runtime.engine import resolve_model_path
 
 runner = CliRunner()
 

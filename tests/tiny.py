@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from formats import constants as C
-from formats.config import ModelConfig
-from formats.model_writer import write_llama
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.config import ModelConfig
+from pinfer_llm.formats.model_writer import write_llama
 
 
 def tiny_config(**kw) -> ModelConfig:

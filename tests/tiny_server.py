@@ -10,11 +10,11 @@ import numpy as np
 import torch
 import uvicorn
 
-from formats import constants as C
-from formats.model_writer import write_llama
-from runtime import load_model
-from runtime.serve_cli import listen
-from runtime.server import create_app
+from pinfer_llm.cli.serve import listen
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.serving.server import create_app
 from tests.tiny import random_weights, tiny_config
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "

@@ -1,0 +1,2 @@
+"""The pi-* commands: thin typer CLIs over the library (pi-run, pi-profile, pi-plan, pi-serve), their shared
+options (options.py) and the terminal chat. Nothing outside this package imports it."""

@@ -1,0 +1,107 @@
+"""pi-serve: an OpenAI-compatible HTTP server for one GGUF/PWRI model (the API itself is in runtime/serving/server.py).
+
+    pi-serve smollm2                                  # http://127.0.0.1:8080/v1/chat/completions
+    pi-serve model.gguf --port 8000 -t 4 -c 4096 --api-key KEY
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from typing import Annotated
+
+import typer
+
+from pinfer_llm.cli.options import Dense, FfnAct, Gpu, KvType, OracleMasks, PlacementOpt, Sparse, VramBudget, ffn_mode
+from pinfer_llm.formats.errors import PinferError, report
+
+app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the demo "
+                                               "model.")],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free one, printed at start).")] = 8080,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
+    ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size).")] = None,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates; more get 503 "
+                                       "with Retry-After.")] = 8,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="PINFER_API_KEY", help="Require "
+                                                "'Authorization: Bearer KEY' (also from $PINFER_API_KEY).")] = None,
+    ffn_act: FfnAct = None,
+    sparse: Sparse = False,
+    dense: Dense = False,
+    oracle_masks: OracleMasks = False,
+    gpu: Gpu = "auto",
+    placement: PlacementOpt = "plan",
+    vram_budget: VramBudget = None,
+    kv_type: KvType = "f16",
+    verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
+) -> None:
+    """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    try:
+        mode = ffn_mode(sparse, dense, oracle_masks)
+        if queue < 0:
+            raise PinferError(f"--queue must be >= 0, got {queue}")
+        if threads is not None and threads < 1:
+            raise PinferError(f"--threads must be >= 1, got {threads}")
+        sock = listen(host, port)  # before loading: a taken port fails in a second, not after the load
+        from pinfer_llm.runtime import load_model
+        from pinfer_llm.runtime.serving.server import create_app
+
+        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
+                       placement=placement, vram_budget=vram_budget, kv_type=kv_type,
+                       say=lambda msg: print(f"pi-serve: {msg}", file=sys.stderr, flush=True))
+        app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads)
+        run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key))
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
+        raise typer.Exit(report(e, verbose, prog="pi-serve")) from None
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn starts listening on it), or a one-line error."""
+    if not 0 <= port <= 65535:
+        raise PinferError(f"--port must be from 0 to 65535, got {port}")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise PinferError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise PinferError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: bool) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="pi-serve: %(message)s")
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    gpu = m.hybrid_report()
+    on = f", GPU {gpu['gpu']} ({gpu['placement']['name']})" if gpu else ""
+    print(f"pi-serve: {model_id} on {url}/v1 (context {m.ctx_size}, {m.threads} threads, FFN {m.ffn_mode}{on}, "
+          f"queue {queue}{', API key required' if auth else ''})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app_, log_level="info", timeout_graceful_shutdown=3)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn has shut down cleanly, then re-raises the Ctrl-C it caught
+        pass
+    print("pi-serve: stopped", file=sys.stderr)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Opening a GGUF or PWRI file: map it, parse its header (formats/header.py) and attach pinfer's section
+(formats/section.py) when one follows the tensor data. The one entry point every reader of a model file goes through.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import weakref
+from pathlib import Path
+
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats import section as S
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.header import GGUFFile, data_end, parse_header, tensor_infos
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF or PWRI file's header and pinfer's section. Tensor data stays on disk until a view is touched.
+
+    The returned object keeps the file open (one descriptor, closed by close() or when the object is collected):
+    its map is made from that descriptor, and through it the object pins the section's bytes (formats/locks.py)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise PinferError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise PinferError(f"{path}: is a directory, expected a .gguf file") from None
+    except PermissionError:
+        raise PinferError(f"{path}: permission denied (cannot read it)") from None
+    except OSError as e:
+        raise PinferError(f"{path}: cannot open it ({e.strerror})") from None
+    f = None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise PinferError(f"{path}: is a directory, expected a .gguf file")
+        size = st.st_size
+        if size < 24:
+            raise PinferError(f"{path}: not a GGUF file ({size} bytes is too short for a header)")
+        try:
+            buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise PinferError(f"{path}: permission denied (cannot read it)") from None
+            raise PinferError(f"{path}: cannot map it ({e.strerror})") from None
+        try:
+            f = parse_file(buf, path, size)
+            f._fd = fd
+            f._closer = weakref.finalize(f, os.close, fd)
+            if f.trailing == "section":
+                S.attach_section(f, buf, fd)
+        finally:
+            buf.close()
+    except BaseException:
+        if f is not None and f._closer is not None:
+            f._closer()
+        else:
+            os.close(fd)
+        raise
+    return f
+
+
+def parse_file(buf, path: Path, size: int) -> GGUFFile:
+    """The header alone: metadata, tensor infos, where the data ends and what follows it."""
+    h = parse_header(buf, path, 0, size)
+    legacy: list[str] = []
+    powerinfer = h.magic == C.PWRI_MAGIC
+    tensors = tensor_infos(h, path, powerinfer, legacy, size)
+    end = data_end(h, tensors)
+    f = GGUFFile(path, h.magic, h.version, dict(h.metadata), dict(h.value_types), dict(tensors), h.alignment,
+                 h.data_offset, size, h.metadata, h.value_types, tensors, end)
+    f.legacy_types = legacy
+    if legacy:
+        f.warnings.append(f"{path}: {len(legacy)} plan tensors use today's ggml type ids in a PWRI file (written by "
+                          f"an earlier pinfer); PowerInfer cannot load it: write a copy with pi-plan -o")
+    f.trailing = S.classify_trailing(buf, size, end)
+    return f

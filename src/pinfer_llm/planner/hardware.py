@@ -1,0 +1,254 @@
+"""What the planner knows about a machine: GPUs from the built-in table (gpus.toml), the CPU detected or given, and
+the constants of the engine that runs on them.
+
+Precedence, lowest first: built-in table and detection < a `--hw` TOML file < command-line flags; machine.py puts
+them together (resolve_hardware) and caches what is measured here (the CPU's memory bandwidth, by streaming a 256 MiB
+buffer through all cores), so planning never waits on it twice.
+
+A `--hw` file (every section and key optional; unknown keys are errors, so typos do not pass silently):
+
+    [cpu]
+    name = "i9-13900K"
+    cores = 24
+    mem_bw_gbs = 89.6          # streaming read bandwidth of all cores, GB/s
+    host_ram_gib = 192
+    bw_efficiency = 0.85       # share of mem_bw_gbs the engine's matrix-vector kernels reach
+    gflops_per_core = 40.0
+    op_us = 2.0                # dispatch cost per operator (thread wake-up and barrier)
+    token_us = 50.0            # fixed cost per token outside the layers (sampling, bookkeeping)
+
+    [pcie]
+    bw_gbs = 25.0              # effective host<->device bandwidth; default from each GPU's generation and lanes
+    latency_us = 10.0          # one small transfer, end to end
+
+    [engine]
+    gpu_launch_us = 3.0        # per kernel launch
+    gpu_bw_efficiency = 0.8    # share of the datasheet bandwidth a matrix-vector kernel reaches
+    sync_us = 10.0             # fixed cost of joining the CPU and GPU halves of a split layer
+
+    [[gpu]]                    # repeat for several GPUs in one host
+    name = "rtx4090"           # a table name; the keys below override the table
+    vram_budget_gib = 22.0
+    [[gpu]]
+    name = "my-card"           # not in the table: give vram_gib, mem_bw_gbs, pcie_gen, pcie_lanes, fp16_tflops
+    vram_gib = 48
+    mem_bw_gbs = 960
+    pcie_gen = 4
+    pcie_lanes = 16
+    fp16_tflops = 91
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import platform
+import time
+import tomllib
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from pinfer_llm.formats.errors import PinferError
+
+GIB = 1 << 30
+PCIE_LANE_GBS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # per lane, after line coding
+PCIE_EFFICIENCY = 0.8  # share of the link a cudaMemcpy of a few KB to MB reaches (packet and DMA overheads)
+CUDA_RESERVE_GIB = 0.5  # CUDA context, driver and allocator slack kept out of the default budget
+
+GPU_REQUIRED = ("vram_gib", "mem_bw_gbs", "pcie_gen", "pcie_lanes", "fp16_tflops")
+
+
+@dataclass
+class GPU:
+    name: str
+    vram_gib: float
+    mem_bw_gbs: float
+    pcie_gen: int
+    pcie_lanes: int
+    fp16_tflops: float
+    vram_budget_gib: float | None = None  # None: vram_gib less CUDA_RESERVE_GIB
+
+    @property
+    def budget_bytes(self) -> int:
+        gib = self.vram_budget_gib if self.vram_budget_gib is not None else max(self.vram_gib - CUDA_RESERVE_GIB, 0)
+        return int(gib * GIB)
+
+    @property
+    def pcie_gbs(self) -> float:
+        """Effective host<->device bandwidth of this card's link."""
+        return PCIE_LANE_GBS[self.pcie_gen] * self.pcie_lanes * PCIE_EFFICIENCY
+
+
+@dataclass
+class CPU:
+    name: str
+    cores: int
+    mem_bw_gbs: float
+    host_ram_gib: float
+    bw_efficiency: float = 0.85
+    gflops_per_core: float = 40.0
+    op_us: float = 2.0
+    token_us: float = 50.0
+    calibrated: bool = False  # op_us/token_us/bw_efficiency come from a pi-run calibration on this machine
+
+    @property
+    def key(self) -> str:
+        """Identifies a machine's CPU for the bandwidth and calibration caches."""
+        return f"{self.name}|{self.cores}"
+
+
+@dataclass
+class Hardware:
+    cpu: CPU
+    gpus: list[GPU] = field(default_factory=list)
+    pcie_bw_gbs: float | None = None  # overrides every GPU's link
+    pcie_latency_us: float = 10.0
+    gpu_launch_us: float = 3.0
+    gpu_bw_efficiency: float = 0.8
+    sync_us: float = 10.0
+
+    def pcie_gbs(self, gpu: GPU) -> float:
+        return self.pcie_bw_gbs if self.pcie_bw_gbs is not None else gpu.pcie_gbs
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+# --- the GPU table ------------------------------------------------------------------------------------------------
+
+@cache
+def gpu_table() -> dict[str, dict]:
+    with open(Path(__file__).with_name("gpus.toml"), "rb") as fh:
+        return tomllib.load(fh)
+
+
+def lookup_gpu(name: str) -> GPU:
+    table = gpu_table()
+    key = name.strip().lower()
+    if key not in table:
+        close = difflib.get_close_matches(key, table, n=4, cutoff=0.5)
+        hint = f"close names: {', '.join(close)}" if close else f"known: {', '.join(table)}"
+        raise PinferError(f"unknown GPU '{name}'; {hint} (pi-plan gpus lists the table, --hw describes other cards)")
+    return GPU(name=key, **table[key])
+
+
+# --- the CPU ------------------------------------------------------------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def detect_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def host_ram_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):
+        return 16.0
+
+
+def measure_cpu_bandwidth(cores: int, mib: int = 256, repeats: int = 5) -> float:
+    """Streaming read bandwidth of `cores` threads in GB/s: the best of a few sums over a buffer larger than cache."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        x = torch.ones(mib << 18, dtype=torch.float32)
+        x.sum()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t0)
+        return x.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+# --- the --hw file ------------------------------------------------------------------------------------------------
+
+_CPU_KEYS = {"name": str, "cores": int, "mem_bw_gbs": float, "host_ram_gib": float, "bw_efficiency": float,
+             "gflops_per_core": float, "op_us": float, "token_us": float}
+_PCIE_KEYS = {"bw_gbs": float, "latency_us": float}
+_ENGINE_KEYS = {"gpu_launch_us": float, "gpu_bw_efficiency": float, "sync_us": float}
+_GPU_KEYS = {"name": str, "vram_gib": float, "mem_bw_gbs": float, "pcie_gen": int, "pcie_lanes": int,
+             "fp16_tflops": float, "vram_budget_gib": float}
+_ZERO_OK = {"op_us", "token_us", "latency_us", "gpu_launch_us", "sync_us"}
+
+
+def _checked(path: Path, section: str, table, schema: dict) -> dict:
+    if not isinstance(table, dict):
+        raise PinferError(f"{path}: [{section}] must be a table")
+    out = {}
+    for key, value in table.items():
+        if key not in schema:
+            raise PinferError(f"{path}: unknown key '{key}' in [{section}] (known: {', '.join(schema)})")
+        want = schema[key]
+        if want is str:
+            if not isinstance(value, str) or not value:
+                raise PinferError(f"{path}: [{section}] {key} must be a non-empty string")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (want is int and value != int(value)):
+                raise PinferError(f"{path}: [{section}] {key} must be {'an integer' if want is int else 'a number'}, "
+                                  f"got {value!r}")
+            if value < 0 or (value == 0 and key not in _ZERO_OK):
+                raise PinferError(f"{path}: [{section}] {key} must be positive, got {value!r}")
+            value = want(value)
+        out[key] = value
+    return out
+
+
+def load_hw_file(path: str | os.PathLike) -> dict:
+    """Parse and validate a --hw file into {'cpu': {...}, 'pcie': {...}, 'engine': {...}, 'gpus': [GPU, ...]}."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise PinferError(f"{path}: no such --hw file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PinferError(f"{path}: cannot read --hw file ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PinferError(f"{path}: malformed TOML in --hw file: {exc}") from None
+    unknown = set(raw) - {"cpu", "pcie", "engine", "gpu"}
+    if unknown:
+        raise PinferError(f"{path}: unknown section(s) {', '.join(sorted(unknown))} (known: cpu, pcie, engine, gpu)")
+    spec = {"cpu": _checked(path, "cpu", raw.get("cpu", {}), _CPU_KEYS),
+            "pcie": _checked(path, "pcie", raw.get("pcie", {}), _PCIE_KEYS),
+            "engine": _checked(path, "engine", raw.get("engine", {}), _ENGINE_KEYS), "gpus": []}
+    if "bw_efficiency" in spec["cpu"] and spec["cpu"]["bw_efficiency"] > 1:
+        raise PinferError(f"{path}: [cpu] bw_efficiency is a share of the bandwidth and must be at most 1")
+    gpus = raw.get("gpu", [])
+    if not isinstance(gpus, list):
+        raise PinferError(f"{path}: GPUs are written [[gpu]] (an array of tables)")
+    for i, entry in enumerate(gpus):
+        g = _checked(path, f"gpu #{i + 1}", entry, _GPU_KEYS)
+        if "name" not in g:
+            raise PinferError(f"{path}: [[gpu]] #{i + 1} needs a name")
+        if g["name"].lower() in gpu_table():
+            base = dataclasses.asdict(lookup_gpu(g["name"]))
+        else:
+            missing = [k for k in GPU_REQUIRED if k not in g]
+            if missing:
+                raise PinferError(f"{path}: GPU '{g['name']}' is not in the built-in table, so it needs "
+                                  f"{', '.join(missing)}")
+            base = {}
+        base.update(g)
+        if base["pcie_gen"] not in PCIE_LANE_GBS:
+            raise PinferError(f"{path}: GPU '{g['name']}' pcie_gen must be one of {sorted(PCIE_LANE_GBS)}")
+        spec["gpus"].append(GPU(**base))
+    return spec

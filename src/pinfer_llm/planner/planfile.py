@@ -1,0 +1,176 @@
+"""Plans in GGUF files: written into the model, read back, checked against the model, exported for PowerInfer.
+
+In the model file a plan is (formats/constants.py):
+- per layer, PowerInfer's tensors blk.N.gpu_idx (I32 [n_ff], 1 = neuron on a GPU) and blk.N.gpu_bucket (sorted I32
+  indices of those neurons), so PowerInfer's engine and ours read the same placement;
+- pinfer.plan.* metadata: GPUs, budget, context size, objective, predicted tokens/s, solver status and gap, the
+  device of every dense part, and a fingerprint of the model's tensors. A plan whose fingerprint differs from the
+  file's own tensors was made for another model and is refused.
+All of it goes into pinfer's section of the model (formats/section.py), where PowerInfer and llama.cpp do not look:
+written in place in seconds whatever the model's size (formats/update.py), or as a copy with -o. PowerInfer's own
+engine reads a placement from `<model>.generated.gpuidx`, which export_gpuidx writes exactly as PowerInfer does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.gpuidx import gpuidx_path, write_gpuidx
+from pinfer_llm.formats.header import GGUFFile
+from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.update import store
+from pinfer_llm.planner.costmodel import evaluate
+from pinfer_llm.planner.memory import model_tensors, tensor_table
+from pinfer_llm.planner.plan import Plan
+from pinfer_llm.planner.problem import Problem
+
+PLAN_LAYOUT_VERSION = 1
+
+
+def fingerprint(f: GGUFFile) -> str:
+    """Hash of the model's tensor names, shapes and types (not of plans or statistics, which a plan may change)."""
+    h = hashlib.sha256()
+    for t in sorted(model_tensors(tensor_table(f)), key=lambda t: t.name):
+        h.update(f"{t.name}|{','.join(map(str, t.ne))}|{t.ggml_type}\n".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class StoredPlan:
+    plan: Plan
+    masks: list[np.ndarray]  # gpu_idx per layer
+    buckets: list[np.ndarray]  # gpu_bucket per layer
+    meta: dict  # the pinfer.plan.* keys
+
+
+def plan_metadata(p: Problem, plan: Plan, *, objective: str, status: str, gap: float | None, solver: str,
+                  solve_s: float, tokens_per_s: float, vram_used: np.ndarray, fp: str,
+                  baselines: dict[str, float | None]) -> dict:
+    """The pinfer.plan.* keys; `gap` (an upper bound on the ILP's relative optimality gap) is left out when unknown."""
+    split = np.zeros(plan.n_layer, dtype=np.uint8)
+    split[evaluate(p, plan).split] = 1
+    meta = {
+        C.PLAN_VERSION: np.uint32(PLAN_LAYOUT_VERSION),
+        C.PLAN_GPUS: [g.name for g in p.hw.gpus],
+        C.PLAN_VRAM_BUDGET: np.uint64(sum(g.budget_bytes for g in p.hw.gpus)),
+        C.PLAN_VRAM_USED: np.asarray(vram_used, dtype=np.uint64),
+        C.PLAN_CTX: np.uint32(p.model.ctx_size),
+        C.PLAN_OBJECTIVE: objective,
+        C.PLAN_TOKENS_PER_S: np.float32(tokens_per_s),
+        C.PLAN_STATUS: status,
+        C.PLAN_SOLVER: solver,
+        C.PLAN_SOLVE_SECONDS: np.float32(solve_s),
+        C.PLAN_GROUP: np.uint32(p.group),
+        C.PLAN_FINGERPRINT: fp,
+        C.PLAN_ATTN_GPU: plan.attn.astype(np.uint8),
+        C.PLAN_PRED_GPU: plan.pred.astype(np.uint8),
+        C.PLAN_FFN_GPU: plan.ffn_gpu.astype(np.uint8),
+        C.PLAN_GPU_NEURONS: plan.n_gpu.astype(np.uint32),
+        C.PLAN_SPLIT: split,
+        C.PLAN_OUTPUT_GPU: np.uint8(plan.output),
+        C.PLAN_HARDWARE: p.hw.to_json(),
+        C.PLAN_BASELINES: json.dumps(baselines, sort_keys=True),
+    }
+    if gap is not None:
+        meta[C.PLAN_GAP] = np.float32(gap)
+    return meta
+
+
+def _plan_tensors(masks: list[np.ndarray], buckets: list[np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for bid, (mask, bucket) in enumerate(zip(masks, buckets, strict=True)):
+        out[C.tensor(C.GPU_IDX, bid)] = np.asarray(mask, dtype=np.int32)
+        out[C.tensor(C.GPU_BUCKET, bid)] = np.asarray(bucket, dtype=np.int32)
+    return out
+
+
+def write_plan(f: GGUFFile, masks: list[np.ndarray], buckets: list[np.ndarray], meta: dict,
+               dest: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Store the plan's tensors and keys into `f` in place (or into a copy at `dest`), replacing any earlier plan.
+    In place, `f` is closed first (its section can then be freed by this write): the caller is done with it."""
+    return store(f, dest, set_metadata=meta, set_tensors=_plan_tensors(masks, buckets),
+                 drop_prefixes=(C.PLAN_PREFIX,), progress=progress, close=True)
+
+
+def read_plan(f: GGUFFile, model: GGUFFile | None = None) -> StoredPlan:
+    """The plan stored in `f`, checked against `model`'s tensors (default: `f`'s own)."""
+    meta = {k: v for k, v in f.metadata.items() if k.startswith(C.PLAN_PREFIX)}
+    n_layer = _n_layer(f)
+    names = [C.tensor(C.GPU_IDX, b) for b in range(n_layer)]
+    if not meta and not all(f.has(n) for n in names):
+        raise PinferError(f"{f.path}: no placement plan; run pi-plan on it first")
+    target = model or f
+    want = fingerprint(target)
+    have = meta.get(C.PLAN_FINGERPRINT)
+    if have is not None and str(have) != want:
+        raise PinferError(f"{f.path}: the plan was made for another model (fingerprint {have}, "
+                          f"{Path(target.path).name} has {want}); run pi-plan on this model")
+    target_layers = _n_layer(target)
+    if n_layer != target_layers:
+        raise PinferError(f"{f.path}: the plan has {n_layer} layers, {Path(target.path).name} has {target_layers}")
+    masks, buckets = [], []
+    for b in range(n_layer):
+        mask = np.asarray(f.raw(C.tensor(C.GPU_IDX, b)), dtype=np.int32).copy()
+        bucket = (np.asarray(f.raw(C.tensor(C.GPU_BUCKET, b)), dtype=np.int32).copy()
+                  if f.has(C.tensor(C.GPU_BUCKET, b)) else np.flatnonzero(mask).astype(np.int32))
+        masks.append(mask)
+        buckets.append(bucket)
+    if have is None:  # a foreign plan (PowerInfer's own .gpuidx): at least the neuron counts must agree
+        ffn = [C.tensor(C.FFN_UP, b) for b in range(n_layer)]
+        shapes = tensor_table(target)
+        for b, name in enumerate(ffn):
+            if name in shapes and shapes[name].shape[0] != len(masks[b]):
+                raise PinferError(f"{f.path}: the plan's layer {b} has {len(masks[b])} neurons, the model "
+                                  f"{shapes[name].shape[0]}; it was made for another model")
+    L = n_layer
+    n_gpu = np.array([int(m.sum()) for m in masks])
+
+    def arr(key, default):
+        v = meta.get(key)
+        return np.asarray(v, dtype=np.int64) if v is not None and len(v) == L else default
+
+    ones = (n_gpu > 0).astype(np.int64)
+    plan = Plan(str(meta.get(C.PLAN_OBJECTIVE, "stored")), arr(C.PLAN_ATTN_GPU, np.zeros(L, np.int64)),
+                arr(C.PLAN_PRED_GPU, np.zeros(L, np.int64)), arr(C.PLAN_FFN_GPU, ones), n_gpu,
+                int(meta.get(C.PLAN_OUTPUT_GPU, 0)))
+    return StoredPlan(plan, masks, buckets, meta)
+
+
+def _n_layer(f: GGUFFile) -> int:
+    if f.architecture == C.GPU_INDEX_ARCH:
+        return int(f.get(C.GPU_INDEX_BLOCK_COUNT, 0))
+    n = f.arch_get(C.BLOCK_COUNT)
+    if n is None:
+        raise PinferError(f"{f.path}: no {f.architecture}.block_count; not a model or plan file")
+    return int(n)
+
+
+def copy_plan(src: str | os.PathLike, model: GGUFFile, dest: str | os.PathLike | None = None) -> Path:
+    """Put the plan stored in `src` (a planned model, skeleton or .gpuidx) into `model`, if it was made for it."""
+    s = open_gguf(src)
+    stored = read_plan(s, model)
+    meta = dict(stored.meta)
+    meta[C.PLAN_FINGERPRINT] = fingerprint(model)
+    return write_plan(model, stored.masks, stored.buckets, meta, dest)
+
+
+def export_gpuidx(path: str | os.PathLike, masks: list[np.ndarray], buckets: list[np.ndarray], vram_capacity: int,
+                  fp: str | None = None) -> Path:
+    """PowerInfer's <model>.generated.gpuidx (formats/gpuidx.py), exactly as its exporter writes it.
+
+    split.vram_capacity holds the bytes the plan's GPU neurons need (PowerInfer ignores the file when less VRAM is
+    left after its own dense offload). The file has room for nothing else, so it carries no fingerprint: a .gpuidx is
+    checked against a model by its layer and neuron counts."""
+    return write_gpuidx(path, masks, buckets, vram_capacity)
+
+
+__all__ = ["StoredPlan", "copy_plan", "export_gpuidx", "fingerprint", "gpuidx_path", "plan_metadata", "read_plan",
+           "write_plan"]

@@ -1,0 +1,385 @@
+// pinfer's CPU operators: torch.ops.<ns>.*, ns = "pinfer" for the runtime's build (runtime/cpu/kernels.py; the tests
+// also load builds for other -march values under other namespaces). This file validates tensors and calls the kernels
+// (kernels.h); all of them run on torch's thread pool (at::parallel_for), honouring torch.set_num_threads.
+//
+// Weights are passed as stored in the GGUF file: a 2-d tensor [rows, row_bytes] of uint8 (zero-copy views of a
+// read-only memory map; never written; any address alignment; each row contiguous, any row stride, so interleaved
+// layouts work too) plus the ggml type code: F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 (quant.h has
+// the encodings). A float32 / float16 / bfloat16 tensor [rows, cols] is accepted for F32 / F16 / BF16. Block types
+// need cols % 32 == 0. Activations are contiguous float32.
+//
+// q8: where a block-type (Q4_0, Q4_1, Q8_0) weight multiplies activations in a dot product (qmatmul below its GEMM
+// threshold, qffn_sparse's gate and up rows, qpredict_active), the activations are first quantised to q8 blocks of 32
+// (d = max|x| / 127, q = round-half-even(x / d)) and the result is exact for that quantised x (up to fp32 summation):
+// what llama.cpp does. Float weight types, qmatmul's GEMM path, and every axpy (down rows) use x as it is.
+//
+// qmatmul(Tensor x, Tensor[] weights, int[] types, int gemm_min_t=-1) -> Tensor
+//     x [T, in]; weights[i] [out_i, row_bytes_i] with `in` columns each -> y [T, sum out_i], the outputs side by
+//     side (Q, K, V as one call). T < gemm_min_t (-1: this build's measured crossover, gemm_min_t() below):
+//     streaming tiles on the stored bytes (q8 activations for block types); otherwise tiles of <= 256 rows
+//     dequantised to fp32 + torch's single-threaded sgemm per thread (exact fp32).
+// qffn_sparse(Tensor x, Tensor? gate, int gate_type, Tensor up, int up_type, Tensor down_t, int down_type,
+//             Tensor? idx, Tensor? row_mask, int act, Tensor? up_bias, float cats_threshold) -> (Tensor, int)
+//     The FFN of x [T, d] (T <= ~24) over the neurons idx (int64 [k], any order, no duplicates; None = all):
+//     gate, up [n_ff, rb] and down_t [n_ff, rb_d] (row i = neuron i's output column), each row read once, in place.
+//     act: 0 SwiGLU silu(g) u; 1 ReGLU relu(g) u; 2 dReLU relu(g) relu(u); 3 relu(u) and 4 gelu(u) (exact erf),
+//     gate-less (gate None). u includes up_bias (f32 [n_ff]) when given. cats_threshold > 0 (SwiGLU): h = 0 where
+//     |silu(g)| <= t. row_mask bool [T, k]: token t uses neuron idx[j] only where row_mask[t, j]. For 1, 2, 3 and
+//     CATS the first row (gate; up for 3) decides: a neuron whose activation is 0 for every token has no other row
+//     read. Returns (y [T, d], number of (token, neuron) pairs with a nonzero activation).
+// qpredict_active(Tensor x, Tensor fc1, int fc1_type, Tensor fc2, int fc2_type, float threshold, Tensor? always,
+//                 bool fc2_transposed=False) -> Tensor
+//     PowerInfer's predictor for one token x [d] or [1, d]: fc1 [r, d], fc2 [n_ff, r] as stored (or fc2_transposed:
+//     [r, n_ff], a converted copy: the second layer reads only the rows of hidden units that ReLU keeps). Returns the
+//     ascending int64 indices i with fc2(relu(fc1 x))[i] >= threshold, merged with `always` (deduplicated).
+// qembed(Tensor w, int type, Tensor ids) -> Tensor       rows ids (int64, any shape) as float32 [*ids.shape, cols]
+// qdequant(Tensor w, int type) -> Tensor                 the whole matrix as float32 [rows, cols]
+// ffn_sparse_rows(Tensor x, Tensor gate_up, Tensor down_t, Tensor idx, Tensor? row_mask, int act) -> (Tensor, int)
+//     The fp32 layout of runtime/ffn/ops.py: gate_up [n_ff, 2, d], down_t [n_ff, d]; act 0-2; = qffn_sparse.
+// predict_active(Tensor x, Tensor fc1, Tensor fc2_t, float threshold, Tensor? always) -> Tensor
+//     fp32 fc1 [r, d] and fc2_t [r, n_ff]: qpredict_active with fc2_transposed.
+// rms_norm(Tensor x, Tensor w, float eps) -> Tensor              x [T, d], w [d]
+// layer_norm(Tensor x, Tensor w, Tensor? b, float eps) -> Tensor x [T, d], w, b [d]
+// attend_decode(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head,
+//               int n_head_kv, float scale, bool neox=False) -> Tensor
+//     One token's RoPE + cache write + attention (attention.cpp); caches [n_head_kv, ctx, head_dim], float32 or
+//     float16 (both the same). neox: rotary pairs (i, i + D/2) instead of (2i, 2i+1).
+// device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor
+//     uint8 [n, stride]: file rows uint8 [n, row_bytes] in the GPU kernels' layout (device_layout.cpp), with the
+//     int32 tile tables of runtime/gpu/layout.py (q0: 1024 entries, 512 for Q4; q1: Q4 only; so: block types).
+// requant_q8_0(Tensor rows, int type, int cols) -> Tensor
+//     uint8 [n, cols / 32 * 34]: rows [n, row_bytes] (row stride any) of Q5_0, Q5_1, Q4_K, Q5_K or Q6_K re-encoded as
+//     ggml's Q8_0 (requant.cpp), the bytes gguf.quants' dequantise + Q8_0 quantise give.
+// requant_q4_1(Tensor rows, int cols) -> Tensor
+//     uint8 [n, cols / 32 * 20]: Q4_K rows [n, cols / 256 * 144] as Q4_1 blocks (requant.cpp: each sub-block's scale
+//     and min rounded to f16, the nibbles repacked).
+// isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
+// gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "kernels.h"
+
+#ifndef PINFER_NS
+#define PINFER_NS pinfer
+#endif
+
+namespace {
+
+using namespace pinfer;
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+              ": a contiguous float32 CPU tensor");
+}
+
+// A stored matrix: uint8 [rows, row_bytes] (or the float dtype of a float type), rows contiguous, any row stride.
+// cols: expected values per row (-1: any).
+Mat as_mat(const at::Tensor& w, int64_t type, int64_t cols, const char* name) {
+  TORCH_CHECK(type_known((int)type), name, ": unsupported weight type code ", type,
+              " (F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, BF16 30)");
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, name, ": a 2-d CPU tensor [rows, row_bytes]");
+  const auto st = w.scalar_type();
+  const bool dtype_ok = st == at::kByte || (type == F32 && st == at::kFloat) || (type == F16 && st == at::kHalf) ||
+                        (type == BF16 && st == at::kBFloat16);
+  TORCH_CHECK(dtype_ok, name, ": uint8 bytes (or the matching float dtype) for type ", type_name((int)type),
+              ", got ", st);
+  TORCH_CHECK(w.size(1) <= 1 || w.stride(1) == 1, name, ": each row must be contiguous");
+  const int64_t es = w.element_size(), rb = w.size(1) * es, unit = unit_bytes((int)type);
+  TORCH_CHECK(rb % unit == 0, name, ": ", rb, " bytes per row is not a whole number of ", type_name((int)type),
+              " units (", unit, " bytes)");
+  Mat m;
+  m.p = static_cast<const uint8_t*>(w.data_ptr());
+  m.rows = w.size(0);
+  m.cols = is_block((int)type) ? rb / unit * QK : rb / unit;
+  m.stride = w.size(0) > 1 ? w.stride(0) * es : rb;
+  m.type = (int)type;
+  TORCH_CHECK(cols < 0 || m.cols == cols, name, ": ", m.cols, " values per row, expected ", cols);
+  return m;
+}
+
+void check_ids(const int64_t* p, int64_t n, int64_t hi, const char* name) {
+  for (int64_t j = 0; j < n; ++j)  // an index out of range would read outside the weights
+    TORCH_CHECK(p[j] >= 0 && p[j] < hi, name, ": index ", p[j], " out of range [0, ", hi, ")");
+}
+
+at::Tensor qmatmul_op(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types, int64_t gemm_min_t) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x: [T, in]");
+  TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "weights and types: one type per matrix");
+  const int64_t T = x.size(0), K = x.size(1);
+  std::vector<Mat> ws;
+  int64_t N = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    ws.push_back(as_mat(weights[i], types[i], K, "weights"));
+    N += ws.back().rows;
+  }
+  at::Tensor y = at::empty({T, N}, x.options());
+  qmatmul(x.data_ptr<float>(), T, K, ws, y.data_ptr<float>(), gemm_min_t < 0 ? GEMM_MIN_T : gemm_min_t);
+  return y;
+}
+
+std::tuple<at::Tensor, int64_t> qffn_sparse_op(const at::Tensor& x, const std::optional<at::Tensor>& gate,
+                                               int64_t gate_type, const at::Tensor& up, int64_t up_type,
+                                               const at::Tensor& down_t, int64_t down_type,
+                                               const std::optional<at::Tensor>& idx,
+                                               const std::optional<at::Tensor>& row_mask, int64_t act,
+                                               const std::optional<at::Tensor>& up_bias, double cats) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x: [T, d]");
+  TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE,
+              "act: 0 SwiGLU, 1 ReGLU, 2 dReLU, 3 ReLU (no gate), 4 GELU (no gate)");
+  const bool gated = act <= DRELU;
+  TORCH_CHECK(gated == gate.has_value(), gated ? "act 0-2 need a gate matrix" : "act 3-4 are gate-less: gate=None");
+  TORCH_CHECK(cats >= 0 && (cats == 0 || act == SWIGLU), "cats_threshold: >= 0, and only for SwiGLU (act 0)");
+  FFN f;
+  f.x = x.data_ptr<float>();
+  f.T = x.size(0);
+  f.d = x.size(1);
+  f.up = as_mat(up, up_type, f.d, "up");
+  const int64_t n_ff = f.up.rows;
+  if (gated) {
+    f.gate = as_mat(*gate, gate_type, f.d, "gate");
+    TORCH_CHECK(f.gate.rows == n_ff, "gate and up: the same number of rows (n_ff)");
+  }
+  f.down_t = as_mat(down_t, down_type, f.d, "down_t");
+  TORCH_CHECK(f.down_t.rows == n_ff, "down_t: [n_ff, d] (row i = neuron i's output column)");
+  f.k = n_ff;
+  if (idx.has_value()) {
+    TORCH_CHECK(idx->scalar_type() == at::kLong && idx->dim() == 1 && idx->is_contiguous(),
+                "idx: contiguous int64 [k]");
+    f.idx = idx->data_ptr<int64_t>();
+    f.k = idx->numel();
+    check_ids(f.idx, f.k, n_ff, "idx");
+  }
+  if (row_mask.has_value()) {
+    TORCH_CHECK(row_mask->scalar_type() == at::kBool && row_mask->dim() == 2 && row_mask->size(0) == f.T &&
+                    row_mask->size(1) == f.k && (f.k <= 1 || row_mask->stride(1) == 1),
+                "row_mask: bool [T, k] with unit column stride");
+    f.mask = row_mask->data_ptr<bool>();
+    f.mask_stride = row_mask->stride(0);
+  }
+  if (up_bias.has_value()) {
+    check_f32(*up_bias, "up_bias");
+    TORCH_CHECK(up_bias->numel() == n_ff, "up_bias: float32 [n_ff]");
+    f.up_bias = up_bias->data_ptr<float>();
+  }
+  f.act = (int)act;
+  f.cats = (float)cats;
+  at::Tensor y = at::empty({f.T, f.d}, x.options());
+  const int64_t nonzero = ffn_sparse(f, y.data_ptr<float>());
+  return {y, nonzero};
+}
+
+at::Tensor indices_tensor(const std::vector<int64_t>& v) {
+  at::Tensor out = at::empty({(int64_t)v.size()}, at::TensorOptions().dtype(at::kLong));
+  std::copy(v.begin(), v.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+at::Tensor qpredict_active_op(const at::Tensor& x, const at::Tensor& fc1, int64_t fc1_type, const at::Tensor& fc2,
+                              int64_t fc2_type, double threshold, const std::optional<at::Tensor>& always,
+                              bool fc2_transposed) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 1 || (x.dim() == 2 && x.size(0) == 1), "x: one token, [d] or [1, d]");
+  const Mat m1 = as_mat(fc1, fc1_type, x.numel(), "fc1");
+  const Mat m2 = as_mat(fc2, fc2_type, fc2_transposed ? -1 : m1.rows, "fc2");
+  TORCH_CHECK(!fc2_transposed || m2.rows == m1.rows, "fc2 (transposed): [r, n_ff] with r = fc1's rows");
+  const int64_t n_ff = fc2_transposed ? m2.cols : m2.rows;
+  const int64_t* ap = nullptr;
+  int64_t na = 0;
+  if (always.has_value()) {
+    TORCH_CHECK(always->scalar_type() == at::kLong && always->is_contiguous(), "always: contiguous int64");
+    ap = always->data_ptr<int64_t>();
+    na = always->numel();
+    check_ids(ap, na, n_ff, "always");
+  }
+  return indices_tensor(predict_active(x.data_ptr<float>(), m1, m2, fc2_transposed, (float)threshold, ap, na));
+}
+
+at::Tensor qembed_op(const at::Tensor& w, int64_t type, const at::Tensor& ids) {
+  const Mat m = as_mat(w, type, -1, "w");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
+  const at::Tensor idc = ids.contiguous();
+  check_ids(idc.data_ptr<int64_t>(), idc.numel(), m.rows, "ids");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(m.cols);
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+  dequant_rows(m, idc.data_ptr<int64_t>(), idc.numel(), out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor qdequant_op(const at::Tensor& w, int64_t type) {
+  const Mat m = as_mat(w, type, -1, "w");
+  at::Tensor out = at::empty({m.rows, m.cols}, at::TensorOptions().dtype(at::kFloat));
+  dequant_rows(m, nullptr, m.rows, out.data_ptr<float>());
+  return out;
+}
+
+std::tuple<at::Tensor, int64_t> ffn_sparse_rows_op(const at::Tensor& x, const at::Tensor& gate_up,
+                                                   const at::Tensor& down_t, const at::Tensor& idx,
+                                                   const std::optional<at::Tensor>& row_mask, int64_t act) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x: [T, d]");
+  const int64_t d = x.size(1);
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 && gate_up.size(2) == d, "gate_up: float32 [n_ff, 2, d]");
+  TORCH_CHECK(act >= SWIGLU && act <= DRELU, "act: 0 (silu), 1 (relu) or 2 (drelu)");
+  // gate and up rows interleaved: strided views of one buffer, row stride 2 d
+  const at::Tensor g = gate_up.select(1, 0), u = gate_up.select(1, 1);
+  return qffn_sparse_op(x, g, F32, u, F32, down_t, F32, idx, row_mask, act, std::nullopt, 0.0);
+}
+
+at::Tensor predict_active_op(const at::Tensor& x, const at::Tensor& fc1, const at::Tensor& fc2_t, double threshold,
+                             const std::optional<at::Tensor>& always) {
+  check_f32(fc1, "fc1");
+  check_f32(fc2_t, "fc2_t");
+  return qpredict_active_op(x, fc1, F32, fc2_t, F32, threshold, always, true);
+}
+
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "x [T, d], w [d]");
+  at::Tensor y = at::empty_like(x);
+  rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), x.size(0), x.size(1), (float)eps, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor layer_norm_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "x [T, d], w [d]");
+  if (b.has_value()) {
+    check_f32(*b, "b");
+    TORCH_CHECK(b->numel() == x.size(1), "b [d]");
+  }
+  at::Tensor y = at::empty_like(x);
+  layer_norm(x.data_ptr<float>(), w.data_ptr<float>(), b ? b->data_ptr<float>() : nullptr, x.size(0), x.size(1),
+             (float)eps, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor attend_decode_op(const at::Tensor& qkv, const at::Tensor& rope, at::Tensor k_cache, at::Tensor v_cache,
+                            int64_t pos, int64_t n_head, int64_t n_head_kv, double scale, bool neox) {
+  const int64_t H = n_head, Hkv = n_head_kv;
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "n_head must be a multiple of n_head_kv");
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && (kt == at::kFloat || kt == at::kHalf) &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kt &&
+                  v_cache.is_contiguous(),
+              "k_cache, v_cache: contiguous float32 or float16 [n_head_kv, max_ctx, head_dim], the same dtype");
+  const int64_t ctx = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(pos >= 0 && pos < ctx, "position ", pos, " outside the cache [0, ", ctx, ")");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.numel() == (H + 2 * Hkv) * D && qkv.stride(-1) == 1 &&
+                  (qkv.dim() == 1 || qkv.size(0) == 1),
+              "qkv: float32 [1, (n_head + 2 n_head_kv) head_dim]");
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.numel() == D,
+              "rope: contiguous float32 [head_dim / 2, 2]");
+  at::Tensor out = at::empty({1, H * D}, qkv.options());
+  if (kt == at::kFloat)
+    attend_decode<float>(qkv.data_ptr<float>(), rope.data_ptr<float>(), k_cache.data_ptr<float>(),
+                         v_cache.data_ptr<float>(), ctx, D, pos, H, Hkv, (float)scale, neox, out.data_ptr<float>());
+  else
+    attend_decode<uint16_t>(qkv.data_ptr<float>(), rope.data_ptr<float>(),
+                            reinterpret_cast<uint16_t*>(k_cache.data_ptr()),
+                            reinterpret_cast<uint16_t*>(v_cache.data_ptr()), ctx, D, pos, H, Hkv, (float)scale, neox,
+                            out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor int32_table(const std::optional<at::Tensor>& t, int64_t n, int64_t bound, const char* name) {
+  TORCH_CHECK(t.has_value(), name, ": required for this type");
+  TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->numel() == n, name, ": ", n,
+              " contiguous int32 values");
+  const int32_t* p = t->data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < bound, name, "[", i, "] out of range");
+  return *t;
+}
+
+at::Tensor device_layout_op(const at::Tensor& rows, int64_t type, int64_t cols, const std::optional<at::Tensor>& q0,
+                            const std::optional<at::Tensor>& q1, const std::optional<at::Tensor>& so, int64_t stride) {
+  TORCH_CHECK(type == F32 || type == F16 || type == BF16 || type == Q4_0 || type == Q4_1 || type == Q8_0,
+              "device_layout: unsupported type ", type);
+  TORCH_CHECK(cols > 0 && cols % 32 == 0, "device_layout: cols must be a positive multiple of 32");
+  const int64_t rb = row_bytes((int)type, cols);
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.size(1) == rb &&
+                  rows.is_contiguous(),
+              "rows: contiguous uint8 [n, ", rb, "]");
+  TORCH_CHECK(stride >= rb, "stride ", stride, " is shorter than a row (", rb, " bytes)");
+  const bool q4 = type == Q4_0 || type == Q4_1, halves = type == F16 || type == BF16;
+  at::Tensor t0, t1, ts;
+  if (type != F32) t0 = int32_table(q0, q4 ? 512 : 1024, 1024, "q0");
+  if (q4) t1 = int32_table(q1, 512, 1024, "q1");
+  if (type != F32 && !halves) ts = int32_table(so, 32, 32, "so");
+  at::Tensor out = at::empty({rows.size(0), stride}, at::TensorOptions().dtype(at::kByte));
+  device_layout(rows.data_ptr<uint8_t>(), rows.size(0), rb, (int)type, cols,
+                t0.defined() ? t0.data_ptr<int32_t>() : nullptr, t1.defined() ? t1.data_ptr<int32_t>() : nullptr,
+                ts.defined() ? ts.data_ptr<int32_t>() : nullptr, out.data_ptr<uint8_t>(), stride);
+  return out;
+}
+
+at::Tensor requant_q8_0_op(const at::Tensor& rows, int64_t type, int64_t cols) {
+  TORCH_CHECK(requant_type_known((int)type), "requant_q8_0: unsupported type ", type,
+              " (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)");
+  const int64_t rb = requant_row_bytes((int)type, cols);
+  TORCH_CHECK(cols > 0 && cols % (type == 6 || type == 7 ? 32 : 256) == 0,
+              "requant_q8_0: cols must be a positive multiple of the type's block");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.size(1) == rb &&
+                  rows.stride(1) == 1,
+              "rows: uint8 [n, ", rb, "], each row contiguous");
+  at::Tensor out = at::empty({rows.size(0), cols / 32 * 34}, at::TensorOptions().dtype(at::kByte));
+  requant_q8_0(rows.data_ptr<uint8_t>(), rows.size(0), rows.stride(0), (int)type, cols, out.data_ptr<uint8_t>());
+  return out;
+}
+
+at::Tensor requant_q4_1_op(const at::Tensor& rows, int64_t cols) {
+  TORCH_CHECK(cols > 0 && cols % 256 == 0, "requant_q4_1: cols must be a positive multiple of 256");
+  const int64_t rb = cols / 256 * 144;
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.size(1) == rb &&
+                  rows.stride(1) == 1,
+              "rows: uint8 Q4_K [n, ", rb, "], each row contiguous");
+  at::Tensor out = at::empty({rows.size(0), cols / 32 * 20}, at::TensorOptions().dtype(at::kByte));
+  requant_q4k_q4_1(rows.data_ptr<uint8_t>(), rows.size(0), rows.stride(0), cols, out.data_ptr<uint8_t>());
+  return out;
+}
+
+std::string isa_op() { return isa_name(); }
+int64_t gemm_min_t_op() { return GEMM_MIN_T; }
+
+}  // namespace
+
+TORCH_LIBRARY(PINFER_NS, m) {
+  m.def("qmatmul(Tensor x, Tensor[] weights, int[] types, int gemm_min_t=-1) -> Tensor", &qmatmul_op);
+  m.def("qffn_sparse(Tensor x, Tensor? gate, int gate_type, Tensor up, int up_type, Tensor down_t, int down_type, "
+        "Tensor? idx, Tensor? row_mask, int act, Tensor? up_bias, float cats_threshold) -> (Tensor, int)",
+        &qffn_sparse_op);
+  m.def("qpredict_active(Tensor x, Tensor fc1, int fc1_type, Tensor fc2, int fc2_type, float threshold, "
+        "Tensor? always, bool fc2_transposed=False) -> Tensor",
+        &qpredict_active_op);
+  m.def("qembed(Tensor w, int type, Tensor ids) -> Tensor", &qembed_op);
+  m.def("qdequant(Tensor w, int type) -> Tensor", &qdequant_op);
+  m.def("ffn_sparse_rows(Tensor x, Tensor gate_up, Tensor down_t, Tensor idx, Tensor? row_mask, int act) -> "
+        "(Tensor, int)",
+        &ffn_sparse_rows_op);
+  m.def("predict_active(Tensor x, Tensor fc1, Tensor fc2_t, float threshold, Tensor? always) -> Tensor",
+        &predict_active_op);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm_op);
+  m.def("layer_norm(Tensor x, Tensor w, Tensor? b, float eps) -> Tensor", &layer_norm_op);
+  m.def("attend_decode(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, "
+        "int n_head_kv, float scale, bool neox=False) -> Tensor",
+        &attend_decode_op);
+  m.def("device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor",
+        &device_layout_op);
+  m.def("requant_q8_0(Tensor rows, int type, int cols) -> Tensor", &requant_q8_0_op);
+  m.def("requant_q4_1(Tensor rows, int cols) -> Tensor", &requant_q4_1_op);
+  m.def("isa() -> str", &isa_op);
+  m.def("gemm_min_t() -> int", &gemm_min_t_op);
+}

@@ -1,0 +1,36 @@
+"""The dense feed-forward block: every neuron of the layer, then the down projection."""
+
+from __future__ import annotations
+
+import torch
+
+from pinfer_llm.runtime.ffn.ops import FFNRows, activate, ffn_dense
+from pinfer_llm.runtime.linear import Linear
+
+__all__ = ["DenseFFN", "activate"]
+
+
+class DenseFFN:
+    """Files with ffn_down: gate and up in one fused matmul, then down (two calls per token). PowerInfer files, which
+    store only the neuron-major ffn_down_t: the sparse kernel over every neuron (exact, each row read once) for a few
+    tokens, GEMMs over dequantised row blocks for more."""
+
+    def __init__(self, rows: FFNRows, down: Linear | None):
+        self.rows, self.down = rows, down
+        self.act, self.n_ff = rows.act, rows.n_ff
+
+    def pre_activations(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(gate, up) [T, n_ff]; gate is None for gate-less FFNs."""
+        return self.rows.pre_activations(x)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return activate(*self.pre_activations(x), self.act)
+
+    def down_proj(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(h) if self.down is not None else self.rows.down(h)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the ffn_norm output [T, d]; residual (the pre-norm input, which predictors read) is unused here."""
+        if self.down is None:
+            return ffn_dense(self.rows, x)
+        return self.down(self.hidden(x))

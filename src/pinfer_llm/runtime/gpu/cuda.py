@@ -1,0 +1,419 @@
+"""CudaDevice: pinfer's GPU kernels (kernels/*.cu) through CuPy. Interface: see the package docstring.
+
+CuPy is imported when a device is made, never at module import, so the package loads on machines without it.
+Kernels compile on first use with NVRTC (cupy.RawModule, one module per .cu, quant.cuh inlined by sources.py) and
+CuPy caches the binaries (~/.cupy/kernel_cache), so a process pays each module's compilation once per machine.
+Launches go to CuPy's current stream: run a hybrid step's GPU work inside `with dev.stream() as s:`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pinfer_llm.planner import memory as _mem
+from pinfer_llm.runtime.gpu import layout
+from pinfer_llm.runtime.gpu.sources import source
+from pinfer_llm.runtime.gpu.timing import Timeline
+from pinfer_llm.runtime.gpu.weights import (
+    GATED,
+    FFNRows,
+    Matrix,
+    PredictorWeights,
+    act_code,
+    gather_rows,
+    upload_predictor,
+)
+
+NVRTC_OPTIONS = ("--std=c++17",)
+NULL = np.uint64(0)  # a null pointer argument (CuPy passes numpy scalars by value)
+MAX_T = 8  # tokens per launch of the decode kernels (gemv, sparse_up); more loop in chunks of 8
+PREFILL_T = 32  # from this many tokens matmul dequantises W in tiles and multiplies with cuBLAS
+# f32 workspace of one dequantised tile of W for the prefill path, and the most chunks attention splits a context
+# into (its partial sums are [T, n_head, chunks, hd + 2]): bounds the planner's workspace counts on
+# (planner/memory.py gpu_scratch_bytes). A 64 MiB tile is a [32 x 5120] x [5120 x 3276] GEMM: still bound by reading
+# the tile, as a larger one would be.
+DEQUANT_TILE_BYTES = _mem.DEQUANT_TILE_BYTES
+ATTN_MAX_CHUNKS = _mem.ATTN_MAX_CHUNKS
+
+
+class GPUUnavailable(RuntimeError):
+    """No usable GPU: CuPy missing, no driver, or no device. The message is one line saying which."""
+
+
+_i32 = np.int32  # an int kernel argument (CuPy passes a Python int as a 64-bit one)
+
+
+def _ptr(a):
+    return NULL if a is None else a
+
+
+class CudaDevice:
+    """One CUDA device. `cupy`: the module to use (tests pass the CPU emulation in tests/cuda_emu)."""
+
+    timeline: Timeline | None = None  # start_timeline(): the device's own time per kind of work
+
+    def __init__(self, device_id: int = 0, *, cupy=None):
+        if cupy is None:
+            try:
+                import cupy
+            except ImportError as e:
+                raise GPUUnavailable(f"CuPy is not installed: pip install 'pinfer[gpu-cuda12]' "
+                                     f"(or pinfer[gpu-cuda13] for CUDA 13) ({e})") from None
+        self.cp = cupy
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # cupy raises CUDARuntimeError (no driver) or its own errors when libcuda is absent
+            raise GPUUnavailable(f"no usable CUDA driver: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+                from None
+        if n <= device_id:
+            raise GPUUnavailable(f"no CUDA device {device_id} ({n} found)")
+        self.device = cupy.cuda.Device(device_id)
+        self.device.use()
+        self.sm_count = int(self.device.attributes["MultiProcessorCount"])
+        self.name = f"cuda:{device_id} ({self.sm_count} SMs, compute capability {self.device.compute_capability})"
+        self._modules: dict[str, object] = {}
+        self._kernels: dict[str, object] = {}  # by kernel name (unique across the modules)
+        # Grid shapes: None picks by the rules in _up_group / _down_rows_per_warp; benchmarks/gpu_check.py sweeps
+        # them on a real GPU.
+        self.up_group: int | None = None
+        self.down_rows_per_warp: int | None = None
+        self.attn_chunk = _mem.ATTN_CHUNK
+
+    def start_timeline(self) -> Timeline:
+        """Time every operation from now on with CUDA events (runtime/gpu/timing.py)."""
+        ev = self.cp.cuda
+        return Timeline(ev.Event, lambda a, b: ev.get_elapsed_time(a, b) / 1e3).install(self)
+
+    # ---- kernels
+    def _fn(self, module: str, name: str):
+        # Kept per name: CuPy's RawModule.get_function makes a new RawKernel each call and looks the function up in
+        # the driver again (cuModuleGetFunction), which a launch per kernel per layer per token would repeat.
+        fn = self._kernels.get(name)
+        if fn is None:
+            mod = self._modules.get(module)
+            if mod is None:
+                mod = self._modules[module] = self.cp.RawModule(code=source(module), options=NVRTC_OPTIONS)
+            fn = self._kernels[name] = mod.get_function(name)
+        return fn
+
+    def _launch(self, module: str, name: str, grid, block, args) -> None:
+        self._fn(module, name)(grid, block, args)
+
+    # ---- memory
+    def asarray(self, a):
+        return self.cp.asarray(np.ascontiguousarray(a))
+
+    def to_numpy(self, a) -> np.ndarray:
+        return self.cp.asnumpy(a)
+
+    def empty(self, shape, dtype=np.float32):
+        return self.cp.empty(shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.cp.zeros(shape, dtype)
+
+    def synchronize(self) -> None:
+        self.device.synchronize()
+
+    def pinned(self, shape, dtype=np.float32) -> np.ndarray:
+        """A page-locked host array: transfers from and to it run asynchronously and at full PCIe speed."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        mem = self.cp.cuda.alloc_pinned_memory(max(n, 1))
+        return np.frombuffer(mem, dtype, int(np.prod(shape))).reshape(shape)
+
+    def stream(self):
+        """A new non-blocking stream; `with stream:` makes it current for the kernels launched inside."""
+        return self.cp.cuda.Stream(non_blocking=True)
+
+    def to_device_async(self, host: np.ndarray, out, stream=None):
+        out.set(host, stream=stream)
+        return out
+
+    def to_host_async(self, a, out: np.ndarray, stream=None) -> np.ndarray:
+        """Queue a copy into `out` (page-locked, from pinned()); wait on an event recorded after it before reading."""
+        a.get(stream=stream, out=out, blocking=False)
+        return out
+
+    def view(self, buf, offset: int, shape, dtype=np.float32):
+        """An array of `shape` and `dtype` over bytes offset.. of the uint8 device buffer `buf` (no copy)."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return buf[offset:offset + n].view(dtype).reshape(shape)
+
+    def zero(self, out):
+        out.fill(0)
+        return out
+
+    def copy(self, src, out):
+        self.cp.copyto(out, src)
+        return out
+
+    # ---- weights
+    def upload_matrix(self, raw: np.ndarray, ty: int | str, cols: int, rows=None) -> Matrix:
+        ty = layout.type_id(ty)
+        r = gather_rows(raw, ty, cols, rows)
+        return Matrix(ty, r.shape[0], cols, self.asarray(layout.to_device(r, ty, cols)), layout.device_stride(ty, cols))
+
+    def upload_ffn(self, up, down_t, ty, n_embd: int, bucket, *, act, gate=None, up_bias=None,
+                   down_ty=None) -> FFNRows:
+        act, ty = act_code(act), layout.type_id(ty)
+        down_ty = ty if down_ty is None else layout.type_id(down_ty)
+        if (act in GATED) != (gate is not None):
+            raise ValueError(f"act {act} {'needs' if act in GATED else 'takes no'} gate matrix")
+        bucket = np.asarray(bucket, np.int32)
+        n_ff = layout.as_rows(up, ty, n_embd).shape[0]
+        if bucket.size and (bucket.min() < 0 or bucket.max() >= n_ff):
+            raise ValueError(f"bucket holds neurons outside 0..{n_ff - 1}")
+        bias = None if up_bias is None else self.asarray(np.asarray(up_bias, np.float32)[bucket])
+        return FFNRows(act, n_ff, None if gate is None else self.upload_matrix(gate, ty, n_embd, bucket),
+                       self.upload_matrix(up, ty, n_embd, bucket), self.upload_matrix(down_t, down_ty, n_embd, bucket),
+                       self.asarray(bucket), bias)
+
+    def upload_predictor(self, fc1, fc2) -> PredictorWeights:
+        return upload_predictor(self.upload_matrix, fc1, fc2)
+
+    # ---- dense
+    def matmul(self, w: Matrix, x, *, bias=None, out=None, accumulate=False, relu=False):
+        """y[T, rows] = x[T, cols] @ W^T (+ bias) (relu) (+ out if accumulate), into out when given."""
+        T = x.shape[0]
+        _check(x, (T, w.cols), "x")
+        if out is None:
+            if accumulate:
+                raise ValueError("accumulate needs out")
+            out = self.empty((T, w.rows))
+        _check(out, (T, w.rows), "out")
+        if T >= PREFILL_T:
+            return self._matmul_prefill(w, x, bias, out, accumulate, relu)
+        for t0 in range(0, T, MAX_T):
+            n = min(MAX_T, T - t0)
+            tm = 1 if n == 1 else MAX_T
+            r = _rows_per_pass(w.ty, tm)
+            groups = -(-w.rows // r)
+            xs, ys = (x, out) if n == T else (x[t0:t0 + n], out[t0:t0 + n])  # one launch: no CuPy slices
+            self._launch("gemv", f"gemv_{layout.NAMES[w.ty]}_t{tm}", (-(-groups // 4),), (128,),
+                         (w.data, np.int64(w.stride), _i32(w.cols), _i32(w.rows), xs, _i32(n), ys, _ptr(bias),
+                          _i32(accumulate), _i32(relu)))
+        return out
+
+    def _matmul_prefill(self, w: Matrix, x, bias, out, accumulate, relu):
+        # cuBLAS on dequantised tiles of W: prefill is compute-bound, and a GEMM reads each weight once per tile.
+        cp = self.cp
+        rows_per_tile = max(1, min(w.rows, DEQUANT_TILE_BYTES // (4 * w.cols)))
+        for r0 in range(0, w.rows, rows_per_tile):
+            n = min(rows_per_tile, w.rows - r0)
+            wt = self.dequant_rows(w, self.asarray(np.arange(r0, r0 + n, dtype=np.int32)))
+            y = cp.matmul(x, wt.T)
+            if bias is not None:
+                y += bias[r0:r0 + n]
+            if relu:
+                cp.maximum(y, 0, out=y)
+            if accumulate:
+                out[:, r0:r0 + n] += y
+            else:
+                out[:, r0:r0 + n] = y
+        return out
+
+    def dequant_rows(self, w: Matrix, idx=None, dtype=np.float32):
+        """Rows idx (device int32, or all) of W decoded, [n, cols] f32 or f16: gathers and prefill GEMM operands."""
+        n = w.rows if idx is None else idx.shape[0]
+        f16 = np.dtype(dtype) == np.float16
+        out = self.empty((n, w.cols), np.float16 if f16 else np.float32)
+        if n:
+            self._launch("gemv", f"dequant_{layout.NAMES[w.ty]}", (min(-(-n // 4), 65535),), (128,),
+                         (w.data, np.int64(w.stride), _i32(w.cols), _ptr(idx), _i32(n), NULL if f16 else out,
+                          out.view(np.uint16) if f16 else NULL))
+        return out
+
+    # ---- sparse FFN
+    def ffn_up(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
+        """h[T, k]: the activations of the GPU rows; 0 where a token's score (original neuron ids) < threshold."""
+        T = x.shape[0]
+        _check(x, (T, ffn.d), "x")
+        if scores is not None:
+            _check(scores, (T, ffn.n_ff) if scores.ndim == 2 else (ffn.n_ff,), "scores")
+            if scores.ndim == 1:
+                scores = scores.reshape(T, ffn.n_ff)
+        h = self.empty((T, ffn.k)) if out is None else out
+        _check(h, (T, ffn.k), "out")
+        if ffn.k == 0:
+            return h
+        g = self.up_group or self._up_group(ffn.k)
+        nb = ffn.d // 32
+        warps = min(6, nb // 32 + (nb % 32 > 0))  # a tile per warp (Llama widths: 4 to 8 tiles); 192 threads
+        name = layout.NAMES[ffn.up.ty]
+        for t0 in range(0, T, MAX_T):
+            n = min(MAX_T, T - t0)
+            # one launch (decode) takes the arrays as they are: each CuPy slice costs the host microseconds
+            xs, hs, ss = (x, h, scores) if n == T else (x[t0:t0 + n], h[t0:t0 + n],
+                                                         None if scores is None else scores[t0:t0 + n])
+            self._launch("sparse_ffn", f"sparse_up_{name}_t{1 if n == 1 else MAX_T}", (-(-ffn.k // g),), (32 * warps,),
+                         (_ptr(None if ffn.gate is None else ffn.gate.data), ffn.up.data, np.int64(ffn.up.stride),
+                          _i32(ffn.d), ffn.bucket, _i32(ffn.k), _ptr(ss), _i32(ffn.n_ff), np.float32(threshold),
+                          _ptr(ffn.bias), _i32(ffn.act), np.float32(-1.0 if cats is None else cats), xs, _i32(n), hs,
+                          _i32(g)))
+        return h
+
+    def ffn_down(self, ffn: FFNRows, h, out):
+        """out[T, d] += h[T, k] @ down_t (rows whose h is 0 for every token are not read)."""
+        return self._axpy(ffn.down, h, out)
+
+    def _axpy(self, w: Matrix, h, out):
+        T = h.shape[0]
+        _check(h, (T, w.rows), "h")
+        _check(out, (T, w.cols), "out")
+        if w.rows == 0 or T == 0:
+            return out
+        nb = w.cols // 32
+        units = nb // 32 + (nb % 32 > 0)
+        rpw = self.down_rows_per_warp or self._down_rows_per_warp(w.rows, units)
+        splits = -(-w.rows // (8 * rpw))
+        self._launch("sparse_ffn", f"sparse_down_{layout.NAMES[w.ty]}_t{1 if T == 1 else 2}", (units, splits),
+                     (256,), (w.data, np.int64(w.stride), _i32(w.cols), h, _i32(w.rows), _i32(T), out, _i32(rpw)))
+        return out
+
+    def ffn(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
+        """y[T, d] = FFN of the GPU rows (added into out when given: the CPU part or the residual). From PREFILL_T
+        tokens on, GEMMs over dequantised tiles of the rows (_ffn_prefill) instead of the sparse kernels."""
+        if out is None:
+            out = self.zeros((x.shape[0], ffn.d))
+        if x.shape[0] >= PREFILL_T:
+            return self._ffn_prefill(ffn, x, scores, threshold, cats, out)
+        return self.ffn_down(ffn, self.ffn_up(ffn, x, scores=scores, threshold=threshold, cats=cats), out)
+
+    def _ffn_prefill(self, ffn: FFNRows, x, scores, threshold, cats, out):
+        # Many tokens select most rows between them, so the sparse kernels would read nearly every row once per 8
+        # tokens; a GEMM reads each row once per tile. The same h as ffn_up (selection, activation), then h @ down.
+        T = x.shape[0]
+        _check(x, (T, ffn.d), "x")
+        _check(out, (T, ffn.d), "out")
+        if scores is not None:
+            scores = scores.reshape(T, ffn.n_ff)
+            _check(scores, (T, ffn.n_ff), "scores")
+        mats = 3 if ffn.gate is not None else 2
+        rows_per_tile = max(1, min(ffn.k, DEQUANT_TILE_BYTES // (4 * ffn.d * mats)))
+        for r0 in range(0, ffn.k, rows_per_tile):
+            n = min(rows_per_tile, ffn.k - r0)
+            idx = self.asarray(np.arange(r0, r0 + n, dtype=np.int32))
+            u = self.cp.matmul(x, self.dequant_rows(ffn.up, idx).T)
+            g = u if ffn.gate is None else self.cp.matmul(x, self.dequant_rows(ffn.gate, idx).T)
+            h = self.empty((T, n))
+            self._launch("sparse_ffn", "ffn_act", (min(-(-T * n // 256), 4096),), (256,),
+                         (self.cp.ascontiguousarray(g), self.cp.ascontiguousarray(u),
+                          _ptr(None if ffn.bias is None else ffn.bias[r0:r0 + n]), _ptr(scores), ffn.bucket[r0:r0 + n],
+                          _i32(ffn.n_ff), np.float32(threshold), _i32(ffn.act),
+                          np.float32(-1.0 if cats is None else cats), _i32(T), _i32(n), h))
+            out += self.cp.matmul(h, self.dequant_rows(ffn.down, idx))
+        return out
+
+    def _up_group(self, k: int) -> int:
+        # Candidate rows per block: about 4 blocks per SM, 8 to 32 rows (one ballot) each.
+        return max(8, min(32, -(-k // (4 * self.sm_count))))
+
+    def _down_rows_per_warp(self, k: int, units: int) -> int:
+        # About two blocks per SM: each block adds its unit to y once (4 KB of atomics per token), so fewer, fuller
+        # blocks keep atomics a small share of the weight bytes; at least 32 rows (one ballot) per warp.
+        return 32 * max(1, -(-k * units // (2 * self.sm_count * 8 * 32)))  # whole ballots of 32 rows
+
+    def predict(self, pred: PredictorWeights, x, *, threshold=0.0, skip=None, ids=False, found=None):
+        """scores[T, n_ff] = fc2 @ relu(fc1 @ x); with ids also found, int32 [1 + n_ff]: found[0] = count, then
+        the ascending neurons with a score >= threshold for some token and skip == 0 (skip: uint8 [n_ff] or None).
+        One buffer (`found`, when given: e.g. part of a staging buffer), so that count and ids cross in one copy."""
+        hid = self.matmul(pred.fc1, x, relu=True)
+        if pred.transposed:
+            scores = self._axpy(pred.fc2, hid, self.zeros((x.shape[0], pred.n_ff)))
+        else:
+            scores = self.matmul(pred.fc2, hid)
+        if not ids:
+            return scores
+        found = self.empty((1 + pred.n_ff,), np.int32) if found is None else found
+        _check(found, (1 + pred.n_ff,), "found")
+        self._launch("predictor", "select_active", (1,), (1024,),
+                     (scores, _i32(x.shape[0]), _i32(pred.n_ff), np.float32(threshold), _ptr(skip), found[1:],
+                      found[:1]))
+        return scores, found
+
+    # ---- norms, attention, small ops
+    def rms_norm(self, x, w, eps: float, out=None, *, add=None, copy=None):
+        return self._norm("rms_norm", x, add, (w,), out, copy, eps)
+
+    def layer_norm(self, x, w, b, eps: float, out=None, *, add=None, copy=None):
+        return self._norm("layer_norm", x, add, (w, _ptr(b)), out, copy, eps)
+
+    def _norm(self, name, x, add, params, out, copy, eps):
+        T, d = x.shape
+        if d % 4:
+            raise ValueError(f"norm width {d} is not a multiple of 4")
+        out = self.empty((T, d)) if out is None else out
+        for a, what in ((add, "add"), (copy, "copy")):
+            if a is not None:
+                _check(a, (T, d), what)
+        self._launch("norm", name, (T,), (256,), (x, _ptr(add), *params, out, _ptr(copy), _i32(d), np.float32(eps)))
+        return out
+
+    def kv_cache(self, n_kv: int, max_ctx: int, head_dim: int):
+        return self.zeros((n_kv, max_ctx, head_dim), np.float16), self.zeros((n_kv, max_ctx, head_dim), np.float16)
+
+    def attention(self, q, k, v, cache_k, cache_v, pos: int, *, n_rot=None, neox=False, base=10000.0,
+                  rope_scale=1.0, scale=None, out=None):
+        """Tokens at positions pos..pos+T-1: RoPE on q [T, n_head, hd] and k [T, n_kv, hd] (in place), k and v
+        into the f16 caches [n_kv, max_ctx, hd], causal softmax(q k^T * scale) v with GQA -> out [T, n_head, hd]."""
+        T, n_head, hd = q.shape
+        n_kv, max_ctx = cache_k.shape[0], cache_k.shape[1]
+        n_rot = hd if n_rot is None else n_rot
+        if hd % 8 or hd > 256 or n_head % n_kv or n_rot % 2 or n_rot > hd:
+            raise ValueError(f"attention shapes: head_dim {hd} (multiple of 8, <= 256), n_head {n_head} "
+                             f"(multiple of n_kv {n_kv}), n_rot {n_rot} (even, <= head_dim)")
+        if pos + T > max_ctx:
+            raise ValueError(f"positions up to {pos + T - 1} do not fit a cache of {max_ctx}")
+        _check(k, (T, n_kv, hd), "k")
+        _check(v, (T, n_kv, hd), "v")
+        kc, vc = cache_k.view(np.uint16), cache_v.view(np.uint16)
+        self._launch("attention", "rope_kv_store", (n_head + n_kv, T), (64,),
+                     (q, k, v, kc, vc, _i32(pos), _i32(n_head), _i32(n_kv), _i32(hd), _i32(n_rot), _i32(neox),
+                      np.float32(base), np.float32(1.0 / rope_scale), _i32(max_ctx)))
+        chunk = max(self.attn_chunk, -(-(pos + T) // ATTN_MAX_CHUNKS))  # a long context: longer chunks, not more
+        n_chunks = -(-(pos + T) // chunk)
+        part = self.empty((T, n_head, n_chunks, hd + 2))
+        scale = 1.0 / math.sqrt(hd) if scale is None else scale
+        self._launch("attention", "attn_partial", (n_chunks, n_head, T), (128,),
+                     (q, kc, vc, part, _i32(pos), _i32(n_head), _i32(n_kv), _i32(hd), _i32(max_ctx),
+                      np.float32(scale), _i32(chunk), _i32(n_chunks)))
+        out = self.empty((T, n_head, hd)) if out is None else out
+        self._launch("attention", "attn_combine", (n_head, T), (128,),
+                     (part, out, _i32(n_head), _i32(hd), _i32(n_chunks)))
+        return out
+
+    def add(self, a, b, out=None):
+        """a + b, b of a's shape or of its last dimension (added to every row)."""
+        if b.shape != a.shape and b.shape != a.shape[-1:]:
+            raise ValueError(f"add: b has shape {tuple(b.shape)}, expected {tuple(a.shape)} or {tuple(a.shape[-1:])}")
+        out = self.empty(a.shape) if out is None else out
+        n = a.size
+        self._launch("ops", "add_f32", (max(1, min(-(-n // 256), 4096)),), (256,),
+                     (a, b, out, np.int64(n), np.int64(b.size)))
+        return out
+
+    def gather_rows(self, src, idx, out=None):
+        n, cols = idx.shape[0], src.shape[1]
+        out = self.empty((n, cols)) if out is None else out
+        if n:
+            self._launch("ops", "gather_rows_f32", (n,), (256,), (src, idx, _i32(cols), out))
+        return out
+
+
+# quant.cuh's Rows<Q, 1>::R: rows a warp of gemv reads side by side for one token (one for more tokens).
+_ROWS_T1 = {layout.Q4_0: 4, layout.Q4_1: 4, layout.Q8_0: 2, layout.F16: 2, layout.BF16: 2, layout.F32: 1}
+
+
+def _rows_per_pass(ty: int, tm: int) -> int:
+    """quant.cuh's Rows<Q, TM>::R: rows a warp of gemv reads side by side."""
+    return _ROWS_T1[ty] if tm == 1 else 1
+
+
+def _check(a, shape, what: str) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} is not contiguous")

@@ -1,0 +1,79 @@
+"""Token samplers, built once per generation as a closure (the mlx-lm way).
+
+Order follows llama.cpp's default chain: repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+temperature <= 0 is greedy (argmax after the penalty).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pinfer_llm.formats.errors import PinferError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0  # 1.0 = off
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self):
+        """Refuse nonsense at once, naming the pi-run option it came from and the valid range."""
+        checks = (("--temp", self.temperature, math.isfinite(self.temperature), "a finite number (<= 0: greedy)"),
+                  ("--top-k", self.top_k, self.top_k >= 0, "an integer >= 0 (0: off)"),
+                  ("--top-p", self.top_p, 0 <= self.top_p <= 1, "in [0, 1] (1: off)"),
+                  ("--min-p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1] (0: off)"),
+                  ("--repeat-penalty", self.repeat_penalty, 0 < self.repeat_penalty < math.inf,
+                   "a finite number > 0 (1: off)"),
+                  ("--repeat-last-n", self.repeat_last_n, self.repeat_last_n >= 0, "an integer >= 0 (0: off)"),
+                  ("--seed", self.seed, self.seed is None or -(1 << 63) <= self.seed < 1 << 64,
+                   "an integer in [-2^63, 2^64 - 1]"))
+        for option, value, ok, valid in checks:
+            if not ok:
+                raise PinferError(f"{option} must be {valid}, got {value}")
+
+
+def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, Sequence[int]], int]:
+    gen = torch.Generator()
+    gen.manual_seed(p.seed if p.seed is not None else torch.seed())
+
+    def penalize(logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        if p.repeat_penalty == 1.0 or not history or p.repeat_last_n == 0:
+            return logits
+        recent = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
+        vals = logits[recent]
+        # llama.cpp/CTRL rule: shrink positive logits, push negative ones further down
+        logits = logits.clone()
+        logits[recent] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        return logits
+
+    def sample(logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        logits = penalize(logits.float(), history)
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        if 0 < p.top_k < logits.numel():
+            logits, ids = torch.topk(logits, p.top_k)
+        else:
+            logits, ids = torch.sort(logits, descending=True)
+        probs = torch.softmax(logits, dim=-1)
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if p.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            before = torch.cumsum(probs, dim=-1) - probs
+            keep &= before < p.top_p
+        if p.min_p > 0.0:
+            keep &= probs >= p.min_p * probs[0]
+        keep[0] = True
+        logits = logits[keep] / p.temperature
+        choice = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+        return int(ids[keep][choice])
+
+    return sample
