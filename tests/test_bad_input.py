@@ -130,8 +130,8 @@ def test_too_many_threads_are_capped_with_a_warning(tmp_path):
     try:
         res = runner.invoke(app, [str(tmp_path / "m.gguf"), "-p", "hi", "-n", "2", "-t", "1000", "--json"])
         assert res.exit_code == 0, res.output
-        assert res.stderr.strip() == (f"pi-run: warning: -t 1000 is more than the {cores} cores this process may "
-                                      f"use; using {cores}")
+        lines = [ln for ln in res.stderr.splitlines() if "other processes keep" not in ln]  # a busy machine's word
+        assert lines == [f"pi-run: warning: -t 1000 is more than the {cores} cores this process may use; using {cores}"]
         assert torch.get_num_threads() == cores
     finally:
         torch.set_num_threads(2)

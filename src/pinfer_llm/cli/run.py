@@ -29,6 +29,7 @@ from pinfer_llm.cli.options import (
     checked_threads,
     ffn_mode,
 )
+from pinfer_llm.cli.threads import BusyCores, warn_if_busy
 from pinfer_llm.formats.errors import PinferError, report
 from pinfer_llm.runtime.generation.stream import TextStream
 from pinfer_llm.runtime.sampling import SamplingParams
@@ -48,12 +49,19 @@ def build_prompt(m, prompt: str, chat: bool, system: str | None) -> list[int]:
     return encode_chat(m.tokenizer, messages)
 
 
+def load_parts(st) -> str:
+    """Where the load's seconds went: Python and its imports, the CPU kernels (built on a machine's first run, else
+    loaded from the cache) and the model itself (header, tokenizer, mapping the weights)."""
+    kernels = f"CPU kernels {st.kernels_s:.2f} s" + (" (built, once)" if st.kernels_built else "")
+    return f"import {st.import_s:.2f} s + {kernels} + model {st.load_s - st.kernels_s:.2f} s"
+
+
 def print_summary(m) -> None:
     from rich.console import Console
 
     st, con = m.stats, Console(stderr=True, highlight=False, soft_wrap=True)
-    con.print(f"[bold]load[/]   {st.load_s:6.2f} s       {Path(m.file.path).name}, {m.cfg.n_layer} layers, "
-              f"ctx {m.ctx_size}, {m.threads} threads")
+    con.print(f"[bold]load[/]   {st.import_s + st.load_s:6.2f} s       {load_parts(st)}; {Path(m.file.path).name}, "
+              f"{m.cfg.n_layer} layers, ctx {m.ctx_size}, {m.threads} threads")
     con.print(f"[bold]prompt[/] {st.prompt_tps:6.1f} tok/s   {st.prompt_tokens} tokens in {st.prompt_s:.2f} s")
     con.print(f"[bold]decode[/] {st.decode_tps:6.1f} tok/s   {st.decode_tokens} tokens in {st.decode_s:.2f} s "
               f"({st.stop_reason})")
@@ -136,10 +144,12 @@ def run(
         from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 
         say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
+        cores = BusyCores()  # measured over the load
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
                        placement=placement, vram_budget=vram_budget, kv_type=kv_type, gpu_timing=gpu_timing, say=say)
         if not as_json:
             print_notices(m)
+        warn_if_busy("pi-run", m.threads, cores)
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                         repeat_last_n=repeat_last_n, seed=seed)
         if prompt is None:

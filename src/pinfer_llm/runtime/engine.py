@@ -25,6 +25,7 @@ from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.formats.header import GGUFFile
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.formats.tokenizer import GGUFTokenizer, load_tokenizer
+from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.hybrid.executor import Split
 from pinfer_llm.runtime.hybrid.placement import Placement
 from pinfer_llm.runtime.loader import load_transformer
@@ -41,7 +42,10 @@ REUSE_MIN_PREFILL = 16
 
 @dataclass
 class Stats:
-    load_s: float = 0.0
+    import_s: float = 0.0  # the process's age when load_model began: Python's start and imports
+    load_s: float = 0.0  # load_model, all of it: kernels_s, then opening and mapping the model
+    kernels_s: float = 0.0  # the CPU kernels: built (a machine's first run: kernels_built) or loaded from the cache
+    kernels_built: bool = False
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens whose keys and values were already in the cache (reuse_prefix)
     prompt_s: float = 0.0
@@ -58,7 +62,9 @@ class Stats:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
     def as_dict(self) -> dict:
-        return {"load_s": round(self.load_s, 4), "prompt_tokens": self.prompt_tokens,
+        return {"import_s": round(self.import_s, 4), "load_s": round(self.load_s, 4),
+                "kernels_s": round(self.kernels_s, 4),
+                "kernels_built": self.kernels_built, "prompt_tokens": self.prompt_tokens,
                 "reused_tokens": self.reused_tokens,
                 "prompt_s": round(self.prompt_s, 4), "prompt_tokens_per_s": round(self.prompt_tps, 2),
                 "decode_tokens": self.decode_tokens, "decode_s": round(self.decode_s, 4),
@@ -171,7 +177,9 @@ class Model:
         ids = tokens.tolist()
         history = list(ids)
         reused = self.reusable_prefix(ids) if reuse_prefix else 0
-        st = self.stats = Stats(load_s=self.stats.load_s, prompt_tokens=len(ids), reused_tokens=reused)
+        old = self.stats
+        st = self.stats = Stats(import_s=old.import_s, load_s=old.load_s, kernels_s=old.kernels_s,
+                                kernels_built=old.kernels_built, prompt_tokens=len(ids), reused_tokens=reused)
         t0 = time.perf_counter()
         logits = self._prefill(tokens, all_logits=False, start=reused)[-1]
         st.prompt_s = time.perf_counter() - t0
@@ -231,11 +239,15 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     (compute, copies) with CUDA events, which costs host time (runtime/gpu/timing.py). say: receives one-line messages
     about the choice.
     """
-    t0 = time.perf_counter()
+    t0, import_s = time.perf_counter(), process_age_s()
     if threads is not None and threads < 1:
         raise PinferError(f"threads must be at least 1, got {threads}")
     if threads:
         torch.set_num_threads(threads)
+    # first, so that a build (once per machine) shows apart from the model's own load; later calls are free
+    built_before, tk = cpu_kernels.built_here(), time.perf_counter()
+    cpu_kernels.available()
+    kernels_s, kernels_built = time.perf_counter() - tk, cpu_kernels.built_here() and not built_before
     try:
         f = open_gguf(resolve_model_path(path))
     except PermissionError as e:
@@ -252,7 +264,19 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices, kv_type=kv_type)
     _use_gpu(m, gpu, placement, vram_budget, kv_type, say, gpu_timing)
     m.stats.load_s = time.perf_counter() - t0
+    m.stats.kernels_s, m.stats.kernels_built, m.stats.import_s = kernels_s, kernels_built, import_s
     return m
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: from /proc/self/stat; elsewhere 0): what Python's start and the
+    imports cost before a load, which no timer inside the program can see."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the (comm)
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
 
 
 def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, kv_type: str, say,

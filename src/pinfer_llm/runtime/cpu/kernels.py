@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ _state: dict = {}  # "ok": bool, "why": str (when not ok), "path": Path (when ok
 _variants: dict[str, object] = {}  # march -> torch.ops namespace, for tests and benchmarks
 _compile_slots = threading.BoundedSemaphore(os.cpu_count() or 2)  # compiler processes at once, across builds
 _build_lock = threading.Lock()
+_built: set[str] = set()  # namespaces this process compiled (rather than found in the cache)
 
 
 def cache_dir() -> Path:
@@ -171,10 +173,60 @@ def _writable(d: Path) -> Path:
         return d
 
 
+def expected_isa(march_: str) -> str:
+    """The instruction-set path a build for -march=march_ will take on this CPU, named as csrc/simd.h's isa_name()
+    names it (said before a build, when the library cannot be asked yet)."""
+    if march_ != "native":
+        return {"x86-64-v3": "avx2", "x86-64-v4": "avx512", "x86-64": "portable"}.get(march_, f"-march={march_}")
+    flags = set(cpu_flags().split())
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return "portable"
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    vnni = "avx512_vnni" in flags and "avx512vl" in flags or "avx_vnni" in flags
+    return ("avx512" if avx512 else "avx2") + ("+vnni" if avx512 and vnni else "+avx-vnni" if vnni else "")
+
+
+def build_estimate_s() -> int:
+    """About how long a build takes here: ~55 s of compiler time, spread over the cores (measured on 2 cores: ~30 s,
+    most of it the two files that include torch's headers)."""
+    return max(10, round(55 / min(len(KERNEL_SOURCES) + len(TORCH_SOURCES), _cores()) / 5) * 5)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class _Notice:
+    """What a build says on stderr, once: a spinner on a terminal, one line elsewhere (a log, a pipe), then what it
+    cost. A build is rare (once per machine and version), and 30 s of silence looks like a hang."""
+
+    def __init__(self, enabled: bool, what: str, done: str):
+        self.enabled, self.what, self.done, self.status = enabled, what, done, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self.t0 = time.perf_counter()
+        if sys.stderr.isatty():
+            from rich.console import Console
+
+            self.status = Console(stderr=True).status(self.what)
+            self.status.__enter__()
+        else:
+            print(f"pinfer: {self.what}", file=sys.stderr, flush=True)
+        return self
+
+    def __exit__(self, kind, *rest):
+        if self.status is not None:
+            self.status.__exit__(kind, *rest)
+        if self.enabled and kind is None:
+            print(f"pinfer: {self.done} in {time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def build(march_: str | None = None, ns: str = NAMESPACE, spinner: bool = True) -> Path:
     """Compile the kernels for -march=march_ (default march()) under torch.ops.<ns>, or find them in the cache; return
     the library's path. Raises RuntimeError (with the reason) when there is no compiler, the build or the smoke test
-    fails, or an earlier build with the same key failed."""
+    fails, or an earlier build with the same key failed. spinner: say so on stderr while building (never for a hit)."""
     march_ = march_ or march()
     cxx = _compiler()
     key = cache_key(march_, ns, cxx)
@@ -191,22 +243,22 @@ def build(march_: str | None = None, ns: str = NAMESPACE, spinner: bool = True) 
     if (hit := cached()) is not None:
         return hit
     with open(d / f"pinfer_cpu_{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same key: wait for it, then use its result
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process is building the same key: wait for it, then use its result
+            with _Notice(spinner, "waiting for another process that is building the CPU kernels", "waited"):
+                fcntl.flock(lock, fcntl.LOCK_EX)
         if (hit := cached()) is not None:
             return hit
         work = Path(tempfile.mkdtemp(prefix=f"build_{key}_", dir=d))
         tmp = work / out.name
         try:
-            if spinner:
-                from rich.console import Console
-
-                with Console(stderr=True).status(f"building pinfer's CPU kernels (-march={march_}; once, ~30 s)"):
-                    _compile_and_link(cxx, _flags(march_, ns), work, tmp)
-                    _smoke_test(tmp, ns)
-            else:
+            with _Notice(spinner, f"building the CPU kernels for {expected_isa(march_)}, once "
+                                  f"(~{build_estimate_s()} s on {_cores()} cores)", f"built them into {d}"):
                 _compile_and_link(cxx, _flags(march_, ns), work, tmp)
                 _smoke_test(tmp, ns)
             os.replace(tmp, out)
+            _built.add(ns)
         except RuntimeError as e:
             failed.write_text(f"{e}\n")
             raise
@@ -230,6 +282,11 @@ def available() -> bool:
                 except Exception as e:  # noqa: BLE001 - a kernel problem must never stop pinfer: torch's ops remain
                     _state.update(ok=False, why=" ".join(str(e).split()) or type(e).__name__)
     return _state["ok"]
+
+
+def built_here() -> bool:
+    """Whether this process compiled the runtime's kernels (the first run on a machine) rather than loading them."""
+    return NAMESPACE in _built
 
 
 def status() -> str:
