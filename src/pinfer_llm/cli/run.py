@@ -84,8 +84,6 @@ def print_summary(m) -> None:
                           f"{t['gpu_copy_ms']:.2f} ms")
 
 
-
-
 def choose_mode(has_prompt: bool, *, chat: bool, conversation: bool, no_conversation: bool, system: bool,
                 stdin_tty: bool) -> str:
     """What pi-run does with what it was given: "interactive" (the terminal chat), "chat" (one answer to the prompt
