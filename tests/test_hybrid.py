@@ -278,13 +278,51 @@ def test_pi_run_reference_device(relu_pwri, monkeypatch, tmp_path):
     assert code == 0 and "device per token: computing" in out
 
 
-def test_pi_run_without_gpu_keeps_cpu_and_says_so(relu_pwri, tmp_path):
-    """A plan made for a GPU, no GPU usable: the CPU path, and one line saying why."""
+def test_pi_run_without_gpu_warns_and_runs_on_the_cpu(relu_pwri):
+    """Each option that needs a GPU, with none in use: one warning line each (as llama.cpp's -ngl without a GPU), and
+    the CPU's tokens."""
+    import json
+
+    from pinfer_llm.cli.run import app
+
     path, _ = relu_pwri
-    code, out = run_cli(path, "-p", "hi", "-n", "2", "--gpu", "none", "--placement", "layers")
-    assert code != 0 and "need a GPU" in out and len(out.strip().splitlines()) == 1
-    code, out = run_cli(path, "-p", "hi", "-n", "2", "--gpu", "none", "--gpu-timing")
-    assert code != 0 and "--gpu-timing need a GPU" in out and len(out.strip().splitlines()) == 1
+    base = [str(path), "-p", "hi", "-n", "3", "--temp", "0", "--gpu", "none", "--json"]
+    cpu = json.loads(CliRunner().invoke(app, base).stdout)["tokens"]
+    for args, named in ((["-ngl", "99"], ["-ngl 99"]), (["--placement", "layers"], ["--placement layers"]),
+                        (["--n-gpu-layers", "2", "--vram-budget", "2", "--gpu-timing"],
+                         ["-ngl 2", "--vram-budget 2", "--gpu-timing"])):
+        r = CliRunner().invoke(app, base + args)
+        assert r.exit_code == 0, r.output
+        assert r.stderr.splitlines() == [f"pi-run: warning: {n} needs a GPU and none is in use (--gpu none): "
+                                         f"running on the CPU" for n in named], r.stderr
+        out = json.loads(r.stdout)
+        assert out["tokens"] == cpu and out["hybrid"] is None and len(out["warnings"]) == len(named)
+
+
+def test_ngl_puts_exactly_that_many_layers_on_the_gpu(relu_pwri, monkeypatch, tmp_path):
+    """-ngl N on the reference device: the last N layers whole (attention, KV cache, every neuron) on the GPU, the
+    output head too when N is more than the model's layers (llama.cpp's rule); the CPU's tokens whatever N. One
+    placement cache for all, so each N must be its own entry."""
+    import json
+
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path))
+    path, cfg = relu_pwri
+    cpu = None
+    for ngl, layers, output in ((1, [2], False), (2, [1, 2], False), (0, [], False), (3, [0, 1, 2], False),
+                                (4, [0, 1, 2], True), (99, [0, 1, 2], True)):
+        code, out = run_cli(path, "-p", "hi there", "-n", "4", "--temp", "0", "--gpu", "reference", "-ngl", ngl,
+                            "--json")
+        assert code == 0, out
+        r = json.loads(out.splitlines()[-1])
+        p = r["hybrid"]["placement"]
+        assert p["name"] == "layers" and p["source"].startswith(f"-ngl {ngl}:"), p
+        assert p["attention_on_gpu"] == len(layers) and p["gpu_neurons"] == len(layers) * cfg.n_ff, (ngl, p)
+        assert p["output_on_gpu"] == output, (ngl, p)
+        cpu = cpu or run_cli(path, "-p", "hi there", "-n", "4", "--temp", "0", "--gpu", "none", "--json")[1]
+        assert r["tokens"] == json.loads(cpu.splitlines()[-1])["tokens"]
+    m = load_model(path, gpu="reference", n_gpu_layers=2)
+    assert m.placement.attn.tolist() == [False, True, True]
+    assert [len(b) for b in m.placement.buckets] == [0, cfg.n_ff, cfg.n_ff]
 
 
 def test_attention_with_mixed_projection_types(relu_pwri):

@@ -133,6 +133,29 @@ def test_whole_model_placement_that_does_not_fit_says_by_how_much(model):
     assert pl.choose(f, gpu(), placement="gpu", vram_budget_gib=0.3, ctx=256, threads=2).name == "gpu"
 
 
+def test_ngl_is_exactly_that_many_layers(model):
+    """n_gpu_layers (pi-run -ngl N): the last N layers whole on the GPU, the output head as well only when N is more
+    than the layer count, as llama.cpp counts it; N layers that do not fit are an error saying by how much."""
+    from pinfer_llm.planner.memory import account
+
+    path, cfg = model
+    f = open_gguf(path)
+    for n, attn, output in ((0, [0, 0, 0], False), (1, [0, 0, 1], False), (2, [0, 1, 1], False),
+                            (3, [1, 1, 1], False), (4, [1, 1, 1], True), (99, [1, 1, 1], True)):
+        p = pl.choose(f, gpu(), placement="layers", n_gpu_layers=n, vram_budget_gib=0.3, ctx=256, threads=2)
+        assert p.name == "layers" and p.attn.tolist() == [bool(a) for a in attn], (n, p.attn)
+        assert [len(b) for b in p.buckets] == [cfg.n_ff * a for a in attn] and p.output == output, n
+    ws = account(f, 256).gpu_workspace
+    with pytest.raises(Exception) as e:
+        pl.choose(f, gpu(), n_gpu_layers=3, placement="layers", vram_budget_gib=(ws + 100_000) / GIB, ctx=256,
+                  threads=2)
+    msg = str(e.value)
+    assert "-ngl 3 puts the last 3 of 3 layers on rtx4090" in msg and "the GPU budget leaves 0.1 MiB" in msg, msg
+    assert "a smaller -ngl" in msg
+    with pytest.raises(Exception, match="-ngl 2 is the layers placement"):
+        pl.choose(f, gpu(), placement="powerinfer", n_gpu_layers=2, ctx=256, threads=2)
+
+
 @pytest.mark.parametrize("name,gib,want", [("NVIDIA GeForce RTX 4090", 24, "rtx4090"), ("NVIDIA H200", 141, "h200"),
                                            ("NVIDIA A100-SXM4-40GB", 40, "a100-40g"), ("Tesla T4", 15, "t4"),
                                            ("Some New Card", 48, None)])

@@ -135,8 +135,53 @@ def test_replanning_replaces_the_plan(model):
 
 def test_default_command_is_plan():
     assert normalize_argv(["m.gguf", "--gpu", "t4"]) == ["plan", "m.gguf", "--gpu", "t4"]
+    assert normalize_argv(["-m", "m.gguf", "--gpu", "t4"]) == ["plan", "-m", "m.gguf", "--gpu", "t4"]
+    assert normalize_argv(["--gpu", "t4", "m.gguf"]) == ["plan", "--gpu", "t4", "m.gguf"]
     assert normalize_argv(["compare", "m.gguf"]) == ["compare", "m.gguf"]
-    assert normalize_argv(["--help"]) == ["--help"]
+    for own in ("--help", "-h", "--version"):
+        assert normalize_argv([own]) == [own]
+
+
+def pi_plan(argv, capsys) -> tuple[int, str]:
+    from pinfer_llm.cli.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code or 0, capsys.readouterr().out
+
+
+def test_help_and_version_everywhere(capsys):
+    """-h as --help on pi-plan and on each of its commands (the default one too); --version."""
+    import pinfer_llm
+    from pinfer_llm.cli.plan import COMMANDS
+
+    code, out = pi_plan(["-h"], capsys)
+    assert code == 0 and all(c in out for c in COMMANDS)
+    for cmd in COMMANDS:
+        code, out = pi_plan([cmd, "-h"], capsys)
+        assert code == 0 and f"pi-plan {cmd} [OPTIONS]" in out, (cmd, out)
+    code, out = pi_plan(["m.gguf", "-h"], capsys)
+    assert code == 0 and "pi-plan plan [OPTIONS]" in out
+    code, out = pi_plan(["--version"], capsys)
+    assert code == 0 and out == f"pi-plan pinfer-llm {pinfer_llm.__version__}\n"
+
+
+def test_model_as_an_option(model, tmp_path):
+    """-m MODEL wherever a command takes MODEL; the model given twice is one line."""
+    r = runner.invoke(app, ["plan", "-m", str(model), "--gpu", "t4", "--dry-run", "--json", *CPU_OPTS])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["model"]["path"] == str(model)
+    r = runner.invoke(app, ["compare", "--model", str(model), "--gpu", "t4", "--json", *CPU_OPTS])
+    assert r.exit_code == 0 and [row["gpu"] for row in json.loads(r.stdout)["rows"]] == ["t4"], r.output
+    assert plan(model, "--gpu", "l4").exit_code == 0
+    r = runner.invoke(app, ["show", "-m", str(model), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["meta"][C.PLAN_GPUS] == ["l4"]
+    other = tmp_path / "other.gguf"
+    other.write_bytes(model.read_bytes())
+    r = runner.invoke(app, ["apply", "-m", str(other), "--from", str(model), "-o", str(tmp_path / "out.gguf")])
+    assert r.exit_code == 0 and (tmp_path / "out.gguf").exists(), r.output
+    r = runner.invoke(app, ["show", str(model), "-m", str(model)])
+    assert r.exit_code == 1 and r.output.strip().startswith("pi-plan: error: the model is given twice"), r.output
 
 
 def test_compare_one_row_per_gpu(model):

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+import pinfer_llm
 from pinfer_llm.cli import serve as serve_cli
 from pinfer_llm.cli.serve import app
 from tests.tiny_server import write_chat_model
@@ -66,14 +67,42 @@ def test_bad_options(model, args, needle):
     one_line_error([model, "--port", "0", *args], needle)
 
 
-def test_placement_options_reach_the_model(model, monkeypatch):
-    # a placement that needs a GPU, with none allowed: the loader's one-line refusal, so the options got through
-    # (were they dropped, the model would load and the server start: that fails here instead of serving forever)
-    def serve(*_):
-        raise AssertionError("it served")
+def served_model(monkeypatch, args):
+    """The model pi-serve would serve with these arguments (run_uvicorn is replaced), and its stderr."""
+    got = []
+    monkeypatch.setattr(serve_cli, "run_uvicorn", lambda app_, sock, m, *rest: (sock.close(), got.append(m)))
+    res = runner.invoke(app, [str(a) for a in args])
+    assert res.exit_code == 0 and len(got) == 1, res.output
+    return got[0], res.stderr
 
-    monkeypatch.setattr(serve_cli, "run_uvicorn", serve)
-    one_line_error([model, "--port", "0", "--gpu", "none", "--placement", "layers"], "need a GPU")
+
+def test_placement_options_reach_the_model(model, monkeypatch, tmp_path):
+    """-m, -ngl and --placement get to the loader: on the reference device, -ngl 1 puts exactly the last layer on
+    the GPU; without a GPU, each GPU option is one warning line and the CPU serves."""
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path))
+    m, err = served_model(monkeypatch, ["-m", model, "--port", "0", "--gpu", "reference", "-ngl", "1"])
+    assert m.placement.name == "layers" and m.placement.attn.tolist() == [False, True] and not m.placement.output
+    m, err = served_model(monkeypatch, [model, "--port", "0", "--gpu", "none", "--placement", "layers",
+                                        "--vram-budget", "1"])
+    assert m.placement is None
+    warned = [line for line in err.splitlines() if line.startswith("pi-serve: warning:")]
+    assert len(warned) == 2 and "--placement layers needs a GPU" in warned[0] and "--vram-budget 1" in warned[1], err
+
+
+def test_model_option_and_version(model, monkeypatch):
+    m, _ = served_model(monkeypatch, ["--model", model, "--port", "0", "--gpu", "none"])
+    assert m.file.path == model
+    one_line_error([model, "-m", model, "--port", "0"], "the model is given twice")
+    one_line_error(["--port", "0"], "no model")
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output == f"pi-serve pinfer-llm {pinfer_llm.__version__}\n"
+
+
+def test_context_beyond_the_trained_one_is_a_warning(model, monkeypatch):
+    m, err = served_model(monkeypatch, [model, "--port", "0", "--gpu", "none", "-c", "512"])
+    assert m.ctx_size == 512
+    assert err.strip() == ("pi-serve: warning: -c 512 is more than the 256 tokens the model was trained on "
+                           "(llama.context_length): quality degrades beyond them"), err
 
 
 def test_serves_on_the_reference_device(model):

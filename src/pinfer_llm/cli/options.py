@@ -21,13 +21,58 @@ OracleMasks = Annotated[bool, typer.Option("--oracle-masks", help="Sparse FFN wi
                                            "SwiGLU: the file's CATS thresholds). For debugging and benchmarks.")]
 Gpu = Annotated[str, typer.Option("--gpu", help="auto (a CUDA GPU when CuPy finds one), none, cuda (insist), or "
                                   "reference (the CPU stand-in for the GPU, for testing).")]
-PlacementOpt = Annotated[str, typer.Option("--placement", help="With a GPU: plan (the file's plan, PowerInfer's "
-                                           ".gpuidx, or one made now), or a baseline: layers (llama.cpp -ngl), "
-                                           "powerinfer, cpu, gpu.")]
+PlacementOpt = Annotated[str | None, typer.Option("--placement", help="With a GPU: plan (the default: the file's "
+                                                  "plan, PowerInfer's .gpuidx, or one made now), or a baseline: "
+                                                  "layers (as many whole layers as fit, as llama.cpp -ngl), "
+                                                  "powerinfer, cpu, gpu.", show_default=False)]
+NGpuLayers = Annotated[int | None, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", metavar="N",
+                                                help="With a GPU: N whole layers on it (the last ones), the rest "
+                                                     "on the CPU, as llama.cpp's -ngl; more than the model has: all, "
+                                                     "the output head too.", show_default=False)]
 VramBudget = Annotated[float | None, typer.Option("--vram-budget", help="GiB of VRAM the model may use (default: "
                                                   "what is free, less 0.5 GiB).")]
 KvType = Annotated[str, typer.Option("--kv-type", help="KV cache type on the CPU: f16 (as llama.cpp's default: half "
                                      "the memory and the bytes attention reads) or f32.")]
+ModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False,
+                                                help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the "
+                                                     "demo model (or -m MODEL).")]
+ModelOpt = Annotated[str | None, typer.Option("-m", "--model", metavar="MODEL", show_default=False,
+                                              help="The model, as llama.cpp takes it (instead of the MODEL "
+                                                   "argument).")]
+
+
+def pick_model(arg: str | None, opt: str | None) -> str:
+    """The model from the MODEL argument or -m/--model: exactly one of them."""
+    if arg is not None and opt is not None:
+        raise PinferError(f"the model is given twice, as -m {opt} and as the argument '{arg}': pass one")
+    if arg is None and opt is None:
+        raise PinferError("no model: pass MODEL (a GGUF file, or 'smollm2' for the demo model) or -m MODEL")
+    return arg if arg is not None else opt
+
+
+def version_option(prog: str):
+    """--version for `prog`: prints 'prog pinfer-llm X.Y.Z' and exits 0, whatever else is on the line."""
+    def show(value: bool) -> None:
+        if value:
+            from pinfer_llm import __version__
+
+            print(f"{prog} pinfer-llm {__version__}")
+            raise typer.Exit()
+
+    return Annotated[bool, typer.Option("--version", callback=show, is_eager=True, help="Print the version and exit.")]
+
+
+def warn_ctx(m, ctx_size: int | None, prog: str) -> None:
+    """A -c beyond the context the model was trained on: one line (llama.cpp warns too), the run goes on."""
+    if ctx_size is not None and ctx_size > m.cfg.n_ctx_train:
+        print(f"{prog}: warning: -c {ctx_size} is more than the {m.cfg.n_ctx_train} tokens the model was trained on "
+              f"({m.cfg.arch}.context_length): quality degrades beyond them", file=sys.stderr)
+
+
+def print_warnings(m, prog: str) -> None:
+    """What loading could not do as asked (a GPU setting without a GPU), one line each."""
+    for w in m.warnings:
+        print(f"{prog}: warning: {w}", file=sys.stderr)
 
 
 def checked_threads(threads: int | None) -> int | None:

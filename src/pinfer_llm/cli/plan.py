@@ -4,6 +4,7 @@
     pi-plan compare MODEL --gpu rtx4090 --gpu t4   one row per GPU (a+b: two GPUs in one host)
     pi-plan skeleton llama2-70b -o 70b.gguf        a weightless model of a known shape with synthetic statistics
     pi-plan show MODEL | apply MODEL --from FILE | gpus | calibration
+    pi-plan -m MODEL --gpu rtx4090                 -m MODEL as llama.cpp takes it, wherever MODEL is; -h on each command
 
 The typer commands are thin: plan_model, compare_gpus and friends below are plain functions tests call directly.
 """
@@ -22,6 +23,7 @@ import numpy as np
 import typer
 from rich.console import Console
 
+from pinfer_llm.cli.options import ModelOpt, pick_model, version_option
 from pinfer_llm.formats.errors import PinferError, report
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.planner import report as out
@@ -46,8 +48,14 @@ PROG = "pi-plan"
 COMMANDS = ("plan", "compare", "skeleton", "show", "apply", "gpus", "calibration")
 
 app = typer.Typer(name=PROG, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Place a model's FFN neurons and dense blocks between GPU(s) and CPU for speed. "
                        "`pi-plan MODEL --gpu NAME` is `pi-plan plan MODEL --gpu NAME`.")
+
+
+@app.callback()
+def _group(version: version_option(PROG) = False) -> None:
+    pass
 
 
 # --- plain functions ----------------------------------------------------------------------------------------------
@@ -231,9 +239,17 @@ def _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw_file, calibration)
                 host_ram=host_ram, hw_file=hw_file, calibration=calibration)
 
 
+def _model(help: str):
+    """A command's MODEL argument: optional, as -m MODEL may give it instead."""
+    return Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False, help=f"{help} (or -m MODEL)")]
+
+
+StatsModel = _model("GGUF model (or skeleton) with activation statistics")
+
+
 @app.command("plan")
 def plan_cmd(
-    model: Annotated[Path, typer.Argument(help="GGUF model (or skeleton) with activation statistics")],
+    model_arg: StatsModel = None, model_opt: ModelOpt = None,
     gpu: GpuOpt = None, vram_budget: VramOpt = None, pcie_bw: PcieOpt = None, cpu_cores: CoresOpt = None,
     cpu_bw: CpuBwOpt = None, host_ram: RamOpt = None, ctx_size: CtxOpt = None, kv_type: KvOpt = "f16",
     hw: HwOpt = None, activations: ActOpt = None, act_tokens: ActTokOpt = None,
@@ -251,6 +267,7 @@ def plan_cmd(
 ):
     """Plan one machine: solve, write the plan into the GGUF, print the per-layer table and a summary."""
     with _errors(verbose):
+        model = Path(pick_model(model_arg, model_opt))
         check_ctx_size(ctx_size)  # before resolve_hardware, which may measure the CPU
         opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         machine = resolve_hardware(gpu, **opts)
@@ -267,7 +284,7 @@ def plan_cmd(
 
 @app.command("compare")
 def compare_cmd(
-    model: Annotated[Path, typer.Argument(help="GGUF model (or skeleton) with activation statistics")],
+    model_arg: StatsModel = None, model_opt: ModelOpt = None,
     gpu: GpuOpt = None, vram_budget: VramOpt = None, pcie_bw: PcieOpt = None, cpu_cores: CoresOpt = None,
     cpu_bw: CpuBwOpt = None, host_ram: RamOpt = None, ctx_size: CtxOpt = None, kv_type: KvOpt = "f16",
     hw: HwOpt = None, activations: ActOpt = None, act_tokens: ActTokOpt = None, group: GroupOpt = DEFAULT_GROUP,
@@ -276,6 +293,7 @@ def compare_cmd(
 ):
     """Plan the same model for each --gpu and print one row per GPU; writes nothing."""
     with _errors(verbose):
+        model = Path(pick_model(model_arg, model_opt))
         opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         labels = gpu or []
         if json_out or not sys.stderr.isatty():
@@ -330,10 +348,11 @@ def skeleton_cmd(
 
 
 @app.command("show")
-def show_cmd(model: Annotated[Path, typer.Argument(help="a planned GGUF")], json_out: JsonOpt = False,
+def show_cmd(model_arg: _model("a planned GGUF") = None, model_opt: ModelOpt = None, json_out: JsonOpt = False,
              verbose: VerboseOpt = False):
     """Print the plan stored in a GGUF (refused if it was made for another model)."""
     with _errors(verbose):
+        model = Path(pick_model(model_arg, model_opt))
         d = show_plan(model)
         if json_out:
             print(json.dumps(d, indent=1))
@@ -358,14 +377,15 @@ def show_cmd(model: Annotated[Path, typer.Argument(help="a planned GGUF")], json
 
 
 @app.command("apply")
-def apply_cmd(model: Annotated[Path, typer.Argument(help="GGUF model to put the plan into")],
-              source: Annotated[Path, typer.Option("--from", help="planned model, skeleton or .gpuidx holding "
+def apply_cmd(source: Annotated[Path, typer.Option("--from", help="planned model, skeleton or .gpuidx holding "
                                                                   "the plan")],
+              model_arg: _model("GGUF model to put the plan into") = None, model_opt: ModelOpt = None,
               output: Annotated[Path | None, typer.Option("-o", "--output", help="write here instead of "
                                                                                     "rewriting MODEL")] = None,
               verbose: VerboseOpt = False):
     """Copy a plan made elsewhere into MODEL; refused unless it was made for the same tensors."""
     with _errors(verbose):
+        model = Path(pick_model(model_arg, model_opt))
         path = copy_plan(source, open_gguf(model), output)
         print(f"wrote {path}")
 
@@ -411,8 +431,9 @@ def calibration_cmd(reset: Annotated[bool, typer.Option("--reset", help="forget 
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
-    """`pi-plan MODEL ...` means `pi-plan plan MODEL ...`."""
-    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+    """`pi-plan MODEL ...` (or `pi-plan -m MODEL ...`, `pi-plan --gpu NAME MODEL`) means `pi-plan plan ...`; only
+    -h/--help and --version are pi-plan's own."""
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version"):
         return ["plan", *argv]
     return argv
 

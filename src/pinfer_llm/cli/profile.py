@@ -1,6 +1,6 @@
 """pi-profile: record activation statistics, calibrate CATS thresholds, train predictors, move PowerInfer files.
 
-    pi-profile relu-model.gguf                                    # activation counts into the file
+    pi-profile relu-model.gguf                                    # activation counts into the file (or -m MODEL)
     pi-profile relu-model.gguf --train-predictors -o with-preds.gguf
     pi-profile smollm2 --sparsity 0.3 --train-predictors -o /tmp/smollm2-cats.gguf
     pi-profile model.gguf --import-activations ReluLLaMA-7B/activation --import-predictors ReluLLaMA-7B-Predictor
@@ -23,12 +23,11 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from pinfer_llm.cli.options import FfnAct
+from pinfer_llm.cli.options import FfnAct, ModelArg, ModelOpt, pick_model, version_option
 from pinfer_llm.formats.errors import PinferError, report
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
-
 
 
 DEFAULT_LADDER = (32, 64, 128, 256, 512, 1024, 2048)  # runtime.profiling.training's, without importing torch here
@@ -293,7 +292,8 @@ def print_summary(s: dict) -> None:
 
 @app.command()
 def run(
-    model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' (demo model).")],
+    model_arg: ModelArg = None,
+    model_opt: ModelOpt = None,
     corpus: Annotated[list[Path] | None, typer.Option("--corpus", help="Calibration text file (repeatable); default: "
                       "the built-in corpus.")] = None,
     tokens: Annotated[int | None, typer.Option("--tokens", help="Profile at most N tokens (with "
@@ -327,9 +327,11 @@ def run(
     seed: Annotated[int, typer.Option("--seed", help="Seed for token sampling and training.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
+    version: version_option("pi-profile") = False,
 ) -> None:
     """Profile activations and train predictors for a model; store them in its GGUF."""
     try:
+        model = pick_model(model_arg, model_opt)
         opts = dict(corpus=corpus or [], tokens=tokens, ctx=ctx, train_predictors=train_predictors,
                     sparsity=sparsity, recall=recall, ladder=parse_ladder(ladder), max_fraction=max_fraction,
                     steps=steps, sample_tokens=sample_tokens, import_activations=import_activations,

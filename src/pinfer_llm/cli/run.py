@@ -1,11 +1,18 @@
-"""pi-run: load a GGUF/PWRI model and generate text on the CPU.
+"""pi-run: load a GGUF/PWRI model and generate text, on the CPU or with a GPU. It reads as llama.cpp's llama-cli:
 
-    pi-run smollm2 -p "Once upon a time" -n 64
-    pi-run model.gguf --chat -p "Write a haiku about caches" --temp 0.7 --seed 1
-    pi-run model.gguf -p "..." --json
+    pi-run smollm2                                   # on a terminal: the interactive chat
+    pi-run -m smollm2 -p "Once upon a time" -n 64    # plain completion of the prompt
+    pi-run smollm2 "Once upon a time"                # the same (a prompt after the model, as ollama takes it)
+    echo "Once upon a time" | pi-run smollm2         # the prompt from stdin (so is -f -)
+    pi-run -m model.gguf -cnv -sys "Be brief" -p "Hi"  # the chat, "Hi" its first message
+    pi-run -m model.gguf --chat -p "Write a haiku about caches" --temp 0.7 -s 1   # one answer in the chat template
+    pi-run -m model.gguf -ngl 99 -p "..."            # every layer on the GPU (without one: a warning, the CPU)
+    pi-run -m model.gguf -p "Q: 2+2?" -r "Q:" -n -1  # until the end of the turn, a full context, or "Q:"
+    pi-run -m model.gguf -p "..." --json
 
-Options are checked before the model loads: a value out of range is a one-line error naming the option and its
-range. -t above the cores this process may use is capped to them with a warning (surplus threads only wait).
+Options are checked before the model loads: a value out of range or a combination that cannot mean anything is a
+one-line error naming the option. What cannot apply but leaves a sensible run (a GPU option without a GPU, -c beyond
+the trained context, -t above the cores this process may use) is one warning line each, and the run goes on.
 """
 
 from __future__ import annotations
@@ -22,22 +29,26 @@ from pinfer_llm.cli.options import (
     FfnAct,
     Gpu,
     KvType,
+    ModelArg,
+    ModelOpt,
+    NGpuLayers,
     OracleMasks,
     PlacementOpt,
     Sparse,
     VramBudget,
     checked_threads,
     ffn_mode,
+    pick_model,
+    print_warnings,
+    version_option,
+    warn_ctx,
 )
 from pinfer_llm.cli.threads import BusyCores, warn_if_busy
 from pinfer_llm.formats.errors import PinferError, report
-from pinfer_llm.runtime.generation.stream import TextStream
 from pinfer_llm.runtime.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
-
-
 
 
 def build_prompt(m, prompt: str, chat: bool, system: str | None) -> list[int]:
@@ -81,35 +92,105 @@ def print_summary(m) -> None:
                           f"{t['gpu_copy_ms']:.2f} ms")
 
 
+def choose_mode(has_prompt: bool, *, chat: bool, conversation: bool, no_conversation: bool, system: bool,
+                stdin_tty: bool) -> str:
+    """What pi-run does with what it was given: "interactive" (the terminal chat), "chat" (one answer to the prompt
+    in the chat template), "plain" (completion of the prompt) or "stdin" (no prompt given and stdin is not a
+    terminal: the prompt is read from it, then as "chat" with --system, else "plain")."""
+    if no_conversation and (chat or conversation):
+        raise PinferError("-no-cnv asks for plain completion and --chat/-cnv for the chat: pass one")
+    if no_conversation and system:
+        raise PinferError("--system is the chat's system message, and -no-cnv asks for plain completion: drop one")
+    if conversation or (chat and not has_prompt):
+        return "interactive"
+    if has_prompt:
+        return "chat" if chat or system else "plain"
+    if not stdin_tty:
+        return "stdin"
+    if no_conversation:
+        raise PinferError("no prompt: pass -p TEXT or -f FILE, or pipe it in (with -no-cnv there is no chat)")
+    return "interactive"  # as llama-cli and ollama on a terminal
+
+
+def stdin_is_tty() -> bool:
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def has_prompt(prompt: str | None, positional: str | None, file: Path | None) -> bool:
+    """Whether -p, the PROMPT argument or -f gives the prompt: at most one of them may."""
+    given = [n for n, v in (("-p", prompt), ("the PROMPT argument", positional), ("-f", file)) if v is not None]
+    if len(given) > 1:
+        raise PinferError(f"{' and '.join(given)} both give the prompt: pass one")
+    return bool(given)
+
+
+def prompt_text(prompt: str | None, positional: str | None, file: Path | None) -> str | None:
+    """The prompt from -p, the PROMPT argument or -f (FILE, or - for stdin)."""
+    if file is None:
+        return prompt if prompt is not None else positional
+    if str(file) == "-":
+        return read_stdin()
+    if not file.exists():
+        raise PinferError(f"{file}: no such prompt file")
+    return chomp(file.read_text(encoding="utf-8"))
+
+
+def read_stdin() -> str:
+    text = chomp(sys.stdin.read())
+    if not text:
+        raise PinferError("no prompt: stdin is empty; pass -p TEXT or -f FILE")
+    return text
+
+
+def chomp(text: str) -> str:
+    """Without its one trailing newline (echo's, a text file's), as llama.cpp reads -f."""
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
 @app.command()
 def run(
-    model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the demo "
-                                               "model.")],
+    model_arg: ModelArg = None,
+    prompt_arg: Annotated[str | None, typer.Argument(metavar="PROMPT", show_default=False,
+                                                     help="Prompt text, as -p.")] = None,
+    model_opt: ModelOpt = None,
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Prompt text.")] = None,
-    file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 128,
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file (-: stdin).")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate; -1: until the end of the "
+                                           "turn or a full context.")] = 128,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores). More than "
                                                 "the cores this process may use is capped to them, with a warning: "
                                                 "surplus threads only wait for each other.")] = None,
-    temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
+    temp: Annotated[float, typer.Option("--temp", "--temperature", help="Temperature; 0 or less: greedy (as "
+                                        "llama.cpp).")] = 0.8,
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling; 0 = off.")] = 40,
     top_p: Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling; 1.0 = off.")] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="Min-p sampling; 0 = off.")] = 0.05,
     repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty; 1.0 = off.")] = 1.0,
     repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")] = 64,
-    seed: Annotated[int | None, typer.Option("--seed", help="RNG seed for sampling.")] = None,
-    ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size).")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template; without -p or "
-                                       "-f, an interactive conversation in the terminal.")] = False,
-    system: Annotated[str | None, typer.Option("--system", help="System message for --chat.")] = None,
+    seed: Annotated[int | None, typer.Option("-s", "--seed", help="RNG seed for sampling; -1 (or none): random.",
+                                             show_default=False)] = None,
+    ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size; default: "
+                                                 "the trained one, at most 4096).", show_default=False)] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Answer the prompt once, in the model's chat template; "
+                                       "without a prompt, the interactive chat.")] = False,
+    conversation: Annotated[bool, typer.Option("-i", "-cnv", "--interactive", "--conversation",
+                                               help="The interactive chat (what pi-run MODEL on a terminal opens); "
+                                                    "a prompt is its first message.")] = False,
+    no_conversation: Annotated[bool, typer.Option("-no-cnv", "--no-conversation", help="Never the chat, only "
+                                                  "completion (pi-run's way whenever there is a prompt).")] = False,
+    system: Annotated[str | None, typer.Option("-sys", "--system", "--system-prompt", help="System message of the "
+                                               "chat; with a prompt it implies --chat.")] = None,
+    reverse_prompt: Annotated[list[str] | None, typer.Option("-r", "--reverse-prompt", metavar="TEXT",
+                                                             help="Stop generating at TEXT, which is not printed "
+                                                                  "(repeatable); in the chat it ends the answer.")]
+    = None,
     ffn_act: FfnAct = None,
     sparse: Sparse = False,
     dense: Dense = False,
     oracle_masks: OracleMasks = False,
     gpu: Gpu = "auto",
-    placement: PlacementOpt = "plan",
+    n_gpu_layers: NGpuLayers = None,
+    placement: PlacementOpt = None,
     vram_budget: VramBudget = None,
     kv_type: KvType = "f16",
     gpu_timing: Annotated[bool, typer.Option("--gpu-timing", help="With a GPU: also measure its own time per token "
@@ -120,76 +201,106 @@ def run(
     = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print text and timings as one JSON object.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
+    version: version_option("pi-run") = False,
 ) -> None:
-    """Generate text with a GGUF model on the CPU."""
+    """Generate text with a GGUF model: a completion, one chat answer, or the interactive chat."""
     try:
+        model = pick_model(model_arg, model_opt)
         mode = ffn_mode(sparse, dense, oracle_masks)
         threads = checked_threads(threads)
         if ctx_size is not None and ctx_size < 1:
             raise PinferError(f"-c/--ctx-size must be at least 1 token, got {ctx_size}")
-        if perplexity_file is not None:
-            return run_perplexity(model, perplexity_file, threads, ctx_size, ffn_act, mode, as_json,
-                                  dict(gpu=gpu, placement=placement, vram_budget=vram_budget, kv_type=kv_type))
-        if file is not None:
-            if not file.exists():
-                raise PinferError(f"{file}: no such prompt file")
-            prompt = file.read_text(encoding="utf-8")
-        if prompt is None and not chat:  # --chat without a prompt is the interactive chat
-            raise PinferError("no prompt: pass -p TEXT or -f FILE")
-        if n_predict < 0:
-            raise PinferError(f"-n must be >= 0, got {n_predict}")
+        if n_predict < -1:
+            raise PinferError(f"-n must be >= 0, or -1 (until the end of the turn), got {n_predict}")
+        seed = None if seed == -1 else seed  # llama.cpp's -s -1: a random seed
         # checked before the model loads (generate checks them again)
         SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+        gpu_opts = dict(gpu=gpu, placement=placement, vram_budget=vram_budget, kv_type=kv_type,
+                        n_gpu_layers=n_gpu_layers)
+        if perplexity_file is not None:
+            generating = [name for name, given in (("-p", prompt), ("PROMPT", prompt_arg), ("-f", file),
+                                                   ("--chat", chat), ("-cnv", conversation), ("--system", system),
+                                                   ("-r", reverse_prompt), ("--gpu-timing", gpu_timing)) if given]
+            if generating:
+                raise PinferError(f"--perplexity scores a text file and generates nothing: drop "
+                                  f"{', '.join(generating)}")
+            return run_perplexity(model, perplexity_file, threads, ctx_size, ffn_act, mode, as_json, gpu_opts)
+        what = choose_mode(has_prompt(prompt, prompt_arg, file), chat=chat, conversation=conversation,
+                           no_conversation=no_conversation, system=system is not None, stdin_tty=stdin_is_tty())
+        if what == "interactive":
+            if as_json:
+                raise PinferError("--json prints one answer, and the interactive chat has many: pass a prompt "
+                                  "(-p TEXT) for one")
+            if file is not None and str(file) == "-":
+                raise PinferError("-f - reads the prompt from stdin, where the chat reads its turns: pass the "
+                                  "first message with -p")
+        text = prompt_text(prompt, prompt_arg, file)
+        if what == "stdin":
+            text, what = read_stdin(), ("chat" if system is not None else "plain")
         from pinfer_llm.runtime import load_model
         from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 
         say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
         cores = BusyCores()  # measured over the load
-        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
-                       placement=placement, vram_budget=vram_budget, kv_type=kv_type, gpu_timing=gpu_timing, say=say)
+        m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode,
+                       gpu_timing=gpu_timing, say=say, **gpu_opts)
+        print_warnings(m, "pi-run")
+        warn_ctx(m, ctx_size, "pi-run")
         if not as_json:
             print_notices(m)
         warn_if_busy("pi-run", m.threads, cores)
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                         repeat_last_n=repeat_last_n, seed=seed)
-        if prompt is None:
-            return run_chat(m, system, n_predict, sampling)
-        ids = build_prompt(m, prompt, chat, system)
-        stream = TextStream(m.tokenizer)
-        gen = m.generate(ids, max_tokens=n_predict, **sampling)
+        max_tokens = m.ctx_size if n_predict == -1 else n_predict  # the context ends it before that
+        stops = reverse_prompt or []
+        if what == "interactive":
+            return run_chat(m, system, max_tokens, sampling, first=text, stop=stops,
+                            asked=chat or conversation)
+        from pinfer_llm.runtime.generation.textgen import TextGeneration
+
+        gen = TextGeneration(m, build_prompt(m, text, what == "chat", system), stop=stops, max_tokens=max_tokens,
+                             **sampling)
         if as_json:
-            for tok in gen:
-                stream.push(tok)
-            print(json.dumps({"model": str(m.file.path), "prompt": prompt, "text": stream.text,
-                              "tokens": stream.ids, "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
+            out = "".join(gen)
+            stopped_by(m, gen)
+            print(json.dumps({"model": str(m.file.path), "prompt": text, "text": out, "tokens": gen.tokens,
+                              "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
                               "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status(),
                               "kv_type": m.kv_type, "ctx_size": m.ctx_size, "notices": m.notices,
-                              "hybrid": m.hybrid_report()},
+                              "warnings": m.warnings, "hybrid": m.hybrid_report()},
                              ensure_ascii=False))
             return
-        if not chat:
-            sys.stdout.write(prompt)
-        for tok in gen:
-            sys.stdout.write(stream.push(tok))
+        if what == "plain":
+            sys.stdout.write(text)
+        for delta in gen:
+            sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        stopped_by(m, gen)
         print_summary(m)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-run")) from None
 
 
-def run_chat(m, system: str | None, n_predict: int, sampling: dict) -> None:
+def stopped_by(m, gen) -> None:
+    """A reverse prompt that ended the text is the stop reason the summary and --json give."""
+    if gen.stop_string is not None:
+        m.stats.stop_reason = "reverse prompt"
+
+
+def run_chat(m, system: str | None, n_predict: int, sampling: dict, first: str | None = None,
+             stop: list[str] | None = None, asked: bool = True) -> None:
     from pinfer_llm.cli.chat import chat_loop
 
     if not m.tokenizer.chat_template:
-        raise PinferError("this model has no tokenizer.chat_template, so it cannot chat; run without --chat")
-    if sys.stdin.isatty():
+        if not asked:  # pi-run MODEL on a terminal
+            raise PinferError("this model has no chat template (tokenizer.chat_template), so there is no chat: pass "
+                              "a prompt with -p TEXT")
+        raise PinferError("this model has no tokenizer.chat_template, so it cannot chat; run without --chat/-cnv, "
+                          "with -p TEXT")
+    if stdin_is_tty():
         import readline  # noqa: F401 - line editing and history for input()
-    chat_loop(m, system, n_predict, sampling)
-
-
-
-
+    chat_loop(m, system, n_predict, sampling, first=first, stop=stop or ())
 
 
 def active_fraction(m) -> float | None:
@@ -215,6 +326,8 @@ def run_perplexity(model, path: Path, threads, ctx_size, ffn_act, mode: str, as_
     window = ctx_size or 512
     say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
     m = load_model(model, threads=threads, ctx_size=window, ffn_act=ffn_act, ffn_mode=mode, say=say, **gpu_opts)
+    print_warnings(m, "pi-run")
+    warn_ctx(m, ctx_size, "pi-run")
     if not as_json:
         print_notices(m)
     con = Console(stderr=True)

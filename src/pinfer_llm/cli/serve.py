@@ -2,6 +2,7 @@
 
     pi-serve smollm2                                  # http://127.0.0.1:8080/v1/chat/completions
     pi-serve model.gguf --port 8000 -t 4 -c 4096 --api-key KEY
+    pi-serve -m model.gguf -ngl 99                    # as llama-server: every layer on the GPU
 """
 
 from __future__ import annotations
@@ -13,7 +14,24 @@ from typing import Annotated
 
 import typer
 
-from pinfer_llm.cli.options import Dense, FfnAct, Gpu, KvType, OracleMasks, PlacementOpt, Sparse, VramBudget, ffn_mode
+from pinfer_llm.cli.options import (
+    Dense,
+    FfnAct,
+    Gpu,
+    KvType,
+    ModelArg,
+    ModelOpt,
+    NGpuLayers,
+    OracleMasks,
+    PlacementOpt,
+    Sparse,
+    VramBudget,
+    ffn_mode,
+    pick_model,
+    print_warnings,
+    version_option,
+    warn_ctx,
+)
 from pinfer_llm.formats.errors import PinferError, report
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
@@ -22,8 +40,8 @@ app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Argument(help="GGUF or PowerInfer (PWRI) model file, or 'smollm2' for the demo "
-                                               "model.")],
+    model_arg: ModelArg = None,
+    model_opt: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port (0: any free one, printed at start).")] = 8080,
@@ -38,13 +56,16 @@ def serve(
     dense: Dense = False,
     oracle_masks: OracleMasks = False,
     gpu: Gpu = "auto",
-    placement: PlacementOpt = "plan",
+    n_gpu_layers: NGpuLayers = None,
+    placement: PlacementOpt = None,
     vram_budget: VramBudget = None,
     kv_type: KvType = "f16",
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
+    version: version_option("pi-serve") = False,
 ) -> None:
     """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     try:
+        model = pick_model(model_arg, model_opt)
         mode = ffn_mode(sparse, dense, oracle_masks)
         if queue < 0:
             raise PinferError(f"--queue must be >= 0, got {queue}")
@@ -55,8 +76,12 @@ def serve(
         from pinfer_llm.runtime.serving.server import create_app
 
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
-                       placement=placement, vram_budget=vram_budget, kv_type=kv_type,
+                       placement=placement, vram_budget=vram_budget, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
                        say=lambda msg: print(f"pi-serve: {msg}", file=sys.stderr, flush=True))
+        print_warnings(m, "pi-serve")
+        warn_ctx(m, ctx_size, "pi-serve")
+        for n in m.notices:
+            print(f"pi-serve: note: {n}", file=sys.stderr)
         app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads)
         run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key))
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line

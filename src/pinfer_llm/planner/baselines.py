@@ -3,6 +3,7 @@ runs on the same sparse engine, so the numbers compare where things live, not wh
 
 - layers:     llama.cpp's -ngl: the most whole layers (attention, KV cache, predictor, all neurons) that fit,
               the last layers first as llama.cpp offloads them, the output head only when every layer is offloaded.
+              ngl_plan(p, N) is `-ngl N` itself: exactly the last N layers, the output head too when N > n_layer.
 - powerinfer: the open-source PowerInfer's semantics (REFERENCE.md §3): dense parts greedily in its order
               (attention of every layer, then predictors, then the output head), stopping at the first that does
               not fit, and FFN neurons only if all dense parts fit; then a global top-k of 256-neuron groups under
@@ -116,6 +117,26 @@ def layers_plan(p: Problem) -> Plan:
         output = int(dev[L - 1]) if ngl == L + 1 and L else CPU
         return _whole_layers(p, dev, output, "layers", f"-ngl {ngl}")
     return cpu_plan(p)
+
+
+def ngl_plan(p: Problem, ngl: int) -> Plan | None:
+    """llama.cpp's `-ngl ngl`: the last min(ngl, n_layer) layers whole on the GPUs, and the output head when ngl is
+    more than n_layer (llama.cpp counts it as one more layer); None when they do not fit."""
+    L = p.model.n_layer
+    packed = _pack_layers(p, max(L - ngl, 0))
+    if packed is None:
+        return None
+    dev, out_fits = packed
+    if ngl > L and not out_fits:
+        return None
+    output = int(dev[L - 1]) if ngl > L and L else CPU
+    return _whole_layers(p, dev, output, "layers", f"-ngl {ngl}")
+
+
+def ngl_bytes(p: Problem, ngl: int) -> int:
+    """What `-ngl ngl` puts on the GPUs, in bytes."""
+    L = p.model.n_layer
+    return sum(_layer_bytes(p, l) for l in range(max(L - ngl, 0), L)) + (p.model.output if ngl > L else 0)
 
 
 def gpu_plan(p: Problem) -> Plan | None:

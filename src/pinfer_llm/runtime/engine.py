@@ -27,7 +27,7 @@ from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.formats.tokenizer import GGUFTokenizer, load_tokenizer
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.hybrid.executor import Split
-from pinfer_llm.runtime.hybrid.placement import Placement
+from pinfer_llm.runtime.hybrid.placement import Placement, check_placement
 from pinfer_llm.runtime.loader import load_transformer
 from pinfer_llm.runtime.model import Transformer
 from pinfer_llm.runtime.sampling import SamplingParams, make_sampler
@@ -84,6 +84,7 @@ class Model:
     # forward pass has written it, so an interrupted generation leaves this true
     cached_ids: list[int] = field(default_factory=list, repr=False)
     notices: list[str] = field(default_factory=list)  # costs loading could not avoid (pi-run prints them)
+    warnings: list[str] = field(default_factory=list)  # settings asked for that cannot apply (pi-run prints them)
     placement: Placement | None = None  # where the parts run when a GPU is used (runtime/hybrid/placement.py)
     split: Split | None = None  # host time waiting for the GPU and copying, since the last prefill
     gpu: str = ""  # the GPU in use, as its driver names it
@@ -224,8 +225,8 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 
 def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
                ffn_act: str | None = None, ffn_mode: str = "auto", progress=None, *, gpu: str = "none",
-               placement: str = "plan", vram_budget: float | None = None, kv_type: str = "f16",
-               gpu_timing: bool = False, say=lambda msg: None) -> Model:
+               placement: str | None = None, vram_budget: float | None = None, kv_type: str = "f16",
+               gpu_timing: bool = False, n_gpu_layers: int | None = None, say=lambda msg: None) -> Model:
     """Open a GGUF/PWRI model and prepare it for generation. The weights stay in the file (memory-mapped, read in
     place by the C++ kernels): loading parses the header and makes views.
 
@@ -234,14 +235,19 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     f16). ffn_act: override the FFN activation read from the file. ffn_mode: "dense", "sparse"
     (predictors pick each token's neurons), "oracle" (exact masks), or "auto" (sparse when the file has predictors).
     gpu: "none", "auto" (a CUDA GPU when CuPy finds one), "cuda" (insist) or "reference" (the CPU stand-in); with a
-    GPU, `placement` (plan | layers | powerinfer | cpu | gpu) and `vram_budget` (GiB) decide what runs there, see
-    runtime/hybrid/placement.py and runtime/hybrid/executor.py; gpu_timing: also measure the GPU's own time per token
-    (compute, copies) with CUDA events, which costs host time (runtime/gpu/timing.py). say: receives one-line messages
-    about the choice.
+    GPU, `placement` (plan | layers | powerinfer | cpu | gpu; default plan) and `vram_budget` (GiB) decide what runs
+    there, see runtime/hybrid/placement.py and runtime/hybrid/executor.py; n_gpu_layers: llama.cpp's -ngl, the layers
+    placement with exactly that many layers on the GPU; gpu_timing: also measure the GPU's own time per token
+    (compute, copies) with CUDA events, which costs host time (runtime/gpu/timing.py). Without a GPU, each of these
+    that was given is one line in Model.warnings and the model runs on the CPU. say: receives one-line messages about
+    the choice.
     """
     t0, import_s = time.perf_counter(), process_age_s()
     if threads is not None and threads < 1:
         raise PinferError(f"threads must be at least 1, got {threads}")
+    check_placement(placement or ("layers" if n_gpu_layers is not None else "plan"), n_gpu_layers)
+    if vram_budget is not None and not vram_budget > 0:
+        raise PinferError(f"--vram-budget must be positive, got {vram_budget}")
     if threads:
         torch.set_num_threads(threads)
     # first, so that a build (once per machine) shows apart from the model's own load; later calls are free
@@ -262,7 +268,7 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     with torch.inference_mode():
         tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress, kv_type)
     m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices, kv_type=kv_type)
-    _use_gpu(m, gpu, placement, vram_budget, kv_type, say, gpu_timing)
+    _use_gpu(m, gpu, placement, vram_budget, kv_type, say, gpu_timing, n_gpu_layers)
     m.stats.load_s = time.perf_counter() - t0
     m.stats.kernels_s, m.stats.kernels_built, m.stats.import_s = kernels_s, kernels_built, import_s
     return m
@@ -279,8 +285,8 @@ def process_age_s() -> float:
         return 0.0
 
 
-def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, kv_type: str, say,
-             timing: bool = False) -> None:
+def _use_gpu(m: Model, gpu: str, placement: str | None, vram_budget: float | None, kv_type: str, say,
+             timing: bool = False, n_gpu_layers: int | None = None) -> None:
     """Find the GPU, choose the placement, move its parts there (runtime/hybrid/executor.py)."""
     from pinfer_llm.runtime.hybrid import devices
     from pinfer_llm.runtime.hybrid import executor as hybrid
@@ -288,14 +294,18 @@ def _use_gpu(m: Model, gpu: str, placement: str, vram_budget: float | None, kv_t
 
     dev, info, why = devices.acquire(gpu)
     if dev is None:
-        if placement not in ("plan", "cpu") or vram_budget is not None or timing:
-            raise PinferError(f"--placement {placement}, --vram-budget and --gpu-timing need a GPU, and none can be "
-                              f"used: {why}")
+        # as llama.cpp's -ngl without a GPU: each setting that needs one is said once, and the CPU runs the model
+        given = [f"-ngl {n_gpu_layers}" if n_gpu_layers is not None else None,
+                 f"--placement {placement}" if placement not in (None, "cpu") and n_gpu_layers is None else None,
+                 f"--vram-budget {vram_budget:g}" if vram_budget is not None else None,
+                 "--gpu-timing" if timing else None]
+        m.warnings += [f"{opt} needs a GPU and none is in use ({why}): running on the CPU" for opt in given if opt]
         if _has_plan(m.file):
             m.notices.append(f"the model has a GPU plan, but no GPU can be used ({why}): running on the CPU")
         return
-    place = pl.choose(m.file, info, placement=placement, vram_budget_gib=vram_budget, ctx=m.ctx_size,
-                      threads=m.threads, kv_type=kv_type, say=say)
+    place = pl.choose(m.file, info, placement=placement or ("layers" if n_gpu_layers is not None else "plan"),
+                      vram_budget_gib=vram_budget, ctx=m.ctx_size, threads=m.threads, kv_type=kv_type,
+                      n_gpu_layers=n_gpu_layers, say=say)
     m.vram_bytes = hybrid.device_bytes(m.transformer, place, m.ctx_size)
     m.split = hybrid.apply(m, place, dev, budget=pl.budget_bytes(info, vram_budget), timing=timing)
     m.placement, m.gpu = place, info.name

@@ -22,6 +22,7 @@ class StopStrings:
         self.stops = [s for s in stops if s]
         self.held = ""  # received, not yet emitted: a suffix that is a prefix of some stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, delta: str) -> str:
         if self.stopped:
@@ -31,8 +32,9 @@ class StopStrings:
         # two that complete together, the longer (earlier starting) one
         hits = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
-            self.stopped, self.held = True, ""
-            return text[:min(hits)[1]]
+            end, start = min(hits)
+            self.stopped, self.held, self.matched = True, "", text[start:end]
+            return text[:start]
         keep = self._partial_tail(text)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]

@@ -23,6 +23,8 @@ class TextGeneration:
         # checks the prompt now (Model.generate does), so a bad one fails before anything is streamed
         self._tokens = m.generate(self.ids, **generate_kw)
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended the text, if one did
+        self.tokens: list[int] = []  # the generated token ids, those of a stop string too
         self.completion_tokens = 0
         self.cached_tokens = 0
 
@@ -31,11 +33,12 @@ class TextGeneration:
         try:
             for tok in self._tokens:
                 self.completion_tokens += 1
+                self.tokens.append(tok)
                 out = stops.push(text.push(tok))
                 if out:
                     yield out
                 if stops.stopped:
-                    self.finish_reason = "stop"
+                    self.finish_reason, self.stop_string = "stop", stops.matched
                     return
                 if self.cancel is not None and self.cancel.is_set():
                     self.finish_reason = "cancelled"
@@ -45,7 +48,7 @@ class TextGeneration:
             # the whole answer goes out, a character left incomplete by the last token too
             out = stops.push(text.text[text.sent:])
             if stops.stopped:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_string = "stop", stops.matched
             else:
                 out += stops.flush()
             if out:

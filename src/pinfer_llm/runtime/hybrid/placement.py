@@ -9,7 +9,7 @@ A placement comes, in this order, from
 3. the planner, run now for the GPU found (a plan of a 70B takes seconds); the result is cached under
    $PINFER_CACHE_DIR/plans so the next run starts at once, and the model file is never rewritten.
 `--placement layers|powerinfer|cpu|gpu` runs the planner's baselines instead, so that they can be measured with the
-same engine.
+same engine; `-ngl N` (n_gpu_layers) is the layers baseline with exactly N layers on the GPU, as llama.cpp's flag.
 """
 
 from __future__ import annotations
@@ -187,16 +187,17 @@ def problem_for(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, 
 
 
 def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name: str, say,
-            kv_type: str = "f16") -> Placement:
-    """A placement made now by the planner (the ILP for "plan", else the named baseline), cached by model, GPU,
-    budget and context."""
+            kv_type: str = "f16", n_gpu_layers: int | None = None) -> Placement:
+    """A placement made now by the planner (the ILP for "plan", else the named baseline; "layers" with
+    n_gpu_layers: exactly that many), cached by model, GPU, budget and context."""
     from pinfer_llm.planner.baselines import all_baselines
     from pinfer_llm.planner.ilp import solve
     from pinfer_llm.planner.planfile import fingerprint
 
     fp = fingerprint(f)
     kv = "" if kv_type == "f16" else f"-kv{kv_type}"
-    cache = plan_cache_path(fp, gpu.table_name or gpu.name, budget, ctx, f"{name}-t{threads}{kv}")
+    ngl = "" if n_gpu_layers is None else f"-ngl{n_gpu_layers}"
+    cache = plan_cache_path(fp, gpu.table_name or gpu.name, budget, ctx, f"{name}{ngl}-t{threads}{kv}")
     p = problem_for(f, gpu, budget, ctx, threads, say, kv_type)
     if cache.exists():
         try:
@@ -206,14 +207,16 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name
                              f"{data['source']} (cached)", data.get("tps"))
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry: plan again
-    baselines = all_baselines(p)
-    if name == "plan":
+    if n_gpu_layers is not None:
+        plan, tps, source = _ngl(p, n_gpu_layers, gpu)
+    elif name == "plan":
+        baselines = all_baselines(p)
         say(f"planning for {gpu.name} with {budget / GIB:.2f} GiB of VRAM")
         sol = solve(p, "time", "cbc", 30.0, 1e-3, baselines=baselines)
         plan, tps = sol.plan, sol.evaluation.tokens_per_s
         source = f"pi-plan for {gpu.table_name or gpu.name}, {budget / GIB:.2f} GiB"
     else:
-        base = baselines[name]
+        base = all_baselines(p)[name]
         if base.plan is None:
             raise PinferError(f"--placement {name} is not possible on {gpu.name} with {budget / GIB:.2f} GiB: "
                               f"{base.note}; a larger --vram-budget, or --placement plan, runs it")
@@ -230,6 +233,23 @@ def planned(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, name
     except OSError:
         pass  # a read-only cache only costs the next run a solve
     return out
+
+
+def _ngl(p, n: int, gpu: GPUInfo):
+    """llama.cpp's -ngl n: (plan, predicted tokens/s, source), or a one-line error saying what it needs."""
+    from pinfer_llm.planner.baselines import ngl_bytes, ngl_plan
+    from pinfer_llm.planner.costmodel import evaluate
+
+    L = p.model.n_layer
+    what = (f"all {L} layers and the output head" if n > L else f"the last {n} of {L} layers" if n else
+            f"none of the {L} layers")
+    plan = ngl_plan(p, n)
+    if plan is None:
+        size = lambda b: f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"  # noqa: E731
+        raise PinferError(f"-ngl {n} puts {what} on {gpu.name}, {size(ngl_bytes(p, n))}, and the GPU budget leaves "
+                          f"{size(sum(p.budgets))} for them; a smaller -ngl, or a larger --vram-budget")
+    ev = evaluate(p, plan)
+    return plan, (ev.tokens_per_s if ev.fits else None), f"-ngl {n}: {what} on {gpu.table_name or gpu.name}"
 
 
 def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say,
@@ -268,11 +288,14 @@ def _sidecar(f: GGUFFile, gpu: GPUInfo, budget: int, ctx: int, threads: int, say
 
 
 def choose(f: GGUFFile, gpu: GPUInfo, *, placement: str = "plan", vram_budget_gib: float | None = None,
-           ctx: int, threads: int, kv_type: str = "f16", say=lambda msg: None) -> Placement:
-    """The placement pi-run executes on `gpu` (see the module docstring for the order of sources)."""
-    if placement not in PLACEMENTS:
-        raise PinferError(f"unknown --placement '{placement}' (one of {', '.join(PLACEMENTS)})")
+           ctx: int, threads: int, kv_type: str = "f16", n_gpu_layers: int | None = None,
+           say=lambda msg: None) -> Placement:
+    """The placement pi-run executes on `gpu` (see the module docstring for the order of sources). n_gpu_layers:
+    llama.cpp's -ngl, the layers placement with exactly that many layers on the GPU."""
+    check_placement(placement, n_gpu_layers)
     budget = budget_bytes(gpu, vram_budget_gib)
+    if n_gpu_layers is not None:
+        return planned(f, gpu, budget, ctx, threads, "layers", say, kv_type, n_gpu_layers)
     if placement == "cpu":
         return Placement.cpu(int(f.arch_get(C.BLOCK_COUNT)), "--placement cpu")
     if placement == "plan":
@@ -281,3 +304,16 @@ def choose(f: GGUFFile, gpu: GPUInfo, *, placement: str = "plan", vram_budget_gi
         if got is not None:
             return got
     return planned(f, gpu, budget, ctx, threads, placement, say, kv_type)
+
+
+def check_placement(placement: str, n_gpu_layers: int | None = None) -> None:
+    """A one-line error for an unknown placement, a negative -ngl, or -ngl with a placement other than layers."""
+    if placement not in PLACEMENTS:
+        raise PinferError(f"unknown --placement '{placement}' (one of {', '.join(PLACEMENTS)})")
+    if n_gpu_layers is None:
+        return
+    if n_gpu_layers < 0:
+        raise PinferError(f"-ngl/--n-gpu-layers must be >= 0, got {n_gpu_layers}")
+    if placement != "layers":
+        raise PinferError(f"-ngl {n_gpu_layers} is the layers placement (llama.cpp's); --placement {placement} is "
+                          f"another: pass one of them")
