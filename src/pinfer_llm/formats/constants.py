@@ -136,7 +136,7 @@ PINFER_ONLY_TENSORS = ("blk.{bid}.act_counts", "blk.{bid}.act_peak", "blk.{bid}.
 # The FFN activation is decided from the file (see config.py); this key lets a file state it outright.
 FFN_ACTIVATION = "pinfer.ffn_activation"  # "silu" | "relu" | "drelu"; gate-less archs: "relu" | "gelu"
 
-# Activation statistics written by pi-profile (documented in README "Activation statistics").
+# Activation statistics written by pi-profile (documented in docs/profiling.md, "What is stored").
 ACT_COUNTS = "blk.{bid}.act_counts"  # F32 [n_ff]: tokens on which neuron i was active
 ACT_TOKENS = "pinfer.activation.tokens"  # u64: tokens profiled (frequency = counts / tokens)
 ACT_CORPUS = "pinfer.activation.corpus"  # str: corpus description

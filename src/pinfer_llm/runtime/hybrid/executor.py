@@ -25,7 +25,7 @@ the same activation rule (tests/test_hybrid.py, with a CPU stand-in device and w
 
 Measured on an H200 with 8 CPU threads before this layout of copies (benchmarks/gpu_e2e.py, Llama2-13B-shaped F16,
 12 GiB budget, pi-plan's placement): 20.3 tokens/s, of which per token 37.5 ms on the CPU, 10.2 ms in copies (~5
-synchronous copies per layer then) and 1.7 ms waiting for the GPU. See README "GPU".
+synchronous copies per layer then) and 1.7 ms waiting for the GPU. See docs/gpu.md.
 
 The device is runtime.gpu.CudaDevice (CuPy) on a real GPU, or runtime.gpu.ReferenceDevice (torch on the CPU) as the
 stand-in the tests use.
