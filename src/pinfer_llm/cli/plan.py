@@ -213,8 +213,8 @@ CoresOpt = Annotated[int | None, typer.Option("--cpu-cores", help="CPU cores (de
 CpuBwOpt = Annotated[float | None, typer.Option("--cpu-bw", help="CPU memory bandwidth, GB/s (default: "
                                                                    "measured once and cached)")]
 RamOpt = Annotated[float | None, typer.Option("--host-ram", help="host RAM, GiB (default: detected)")]
-KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache element type: f16 (llama.cpp, PowerInfer), f32 "
-                                                     "(pinfer's CPU runtime) or q8_0")]
+KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache element type: f16 (pi-run's default, llama.cpp, "
+                                                     "PowerInfer), f32 (pi-run --kv-type f32) or q8_0")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx-size", help="context size; its KV cache counts against "
                                                                   "memory (default: the model's)")]
 HwOpt = Annotated[Path | None, typer.Option("--hw", help="TOML file describing the machine: cpu, pcie and engine "

@@ -50,7 +50,7 @@ class ModelConfig:
                               f"{', '.join(allowed)})")
 
     # What sets the architectures apart, as the runtime needs it (llama.cpp's graphs for llama, falcon; PowerInfer's
-    # for opt; REFERENCE.md 2b).
+    # for opt, as read in its llama.cpp).
     @property
     def gated(self) -> bool:
         """The FFN has a gate matrix (llama, bamboo); Falcon and OPT compute act(up x + b) alone."""

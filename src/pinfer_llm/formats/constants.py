@@ -1,6 +1,6 @@
 """Every GGUF key and tensor-name template pinfer reads or writes, in one place.
 
-Standard llama.cpp names come first, then PowerInfer's additions (see shared/REFERENCE.md §1), then pinfer's own.
+Standard llama.cpp names come first, then PowerInfer's additions (as its convert.py writes them), then pinfer's own.
 Templates take the block index as `bid`: TENSOR.ffn_up.format(bid=3) -> "blk.3.ffn_up.weight".
 """
 

@@ -4,7 +4,7 @@ runs on the same sparse engine, so the numbers compare where things live, not wh
 - layers:     llama.cpp's -ngl: the most whole layers (attention, KV cache, predictor, all neurons) that fit,
               the last layers first as llama.cpp offloads them, the output head only when every layer is offloaded.
               ngl_plan(p, N) is `-ngl N` itself: exactly the last N layers, the output head too when N > n_layer.
-- powerinfer: the open-source PowerInfer's semantics (REFERENCE.md §3): dense parts greedily in its order
+- powerinfer: the open-source PowerInfer's semantics (its solver.py and loader): dense parts greedily in its order
               (attention of every layer, then predictors, then the output head), stopping at the first that does
               not fit, and FFN neurons only if all dense parts fit; then a global top-k of 256-neuron groups under
               its neuron capacity floor(V / (n_ff * type_size * 4.5)) * 4 (2 instead of 4.5 without a gate). Where

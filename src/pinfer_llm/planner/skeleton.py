@@ -7,7 +7,7 @@ the planner accounts a skeleton and the real file to the same bytes.
 
 Statistics are synthetic: per layer, sorted frequencies follow f(u) = min(1, a * u^-alpha) over the neuron rank
 u in (0, 1]. alpha is set so that the hottest `hot_share` of neurons carry 80% of the activations and a so that the
-mean frequency is 1 - sparsity (both from the paper, REFERENCE.md §4), with per-layer jitter and lognormal noise,
+mean frequency is 1 - sparsity (both from the PowerInfer paper), with per-layer jitter and lognormal noise,
 and the neurons shuffled so that hot ones are not simply the first indices.
 """
 
@@ -48,7 +48,7 @@ class Shape:
     opt: bool = False  # LayerNorm and biases everywhere, learned positions
 
 
-# Sparsity and hot shares from the paper (REFERENCE.md §4); predictor sizes near its 5-9% of parameters.
+# Sparsity and hot shares from the PowerInfer paper; predictor sizes near its 5-9% of parameters.
 SHAPES = {
     "llama2-7b": Shape("ReluLLaMA-7B", "llama", 32, 4096, 11008, 32, 32, 32000, 4096, "relu", 0.70, 0.30),
     "llama2-13b": Shape("ReluLLaMA-13B", "llama", 40, 5120, 13824, 40, 40, 32000, 4096, "relu", 0.78, 0.32),

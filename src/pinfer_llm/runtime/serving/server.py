@@ -1,4 +1,4 @@
-"""pi-serve's HTTP side: the OpenAI API over one loaded Model, on Starlette (served by uvicorn, see serve_cli.py).
+"""pi-serve's HTTP side: the OpenAI API over one loaded Model, on Starlette (served by uvicorn, see cli/serve.py).
 
     app = create_app(m, names=["smollm2"], api_key=None, max_waiting=8)
 
