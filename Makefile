@@ -35,6 +35,9 @@ demo: install
 	@mkdir -p build
 	$(BIN)/pi-plan skeleton llama2-13b --quant f16 -o build/llama2-13b-f16.gguf
 	$(BIN)/pi-plan compare build/llama2-13b-f16.gguf $(DEMO_GPUS) $(DEMO_HOST)
+	@echo "== activation locality: a planted ReLU model (made and given predictors once, into build/), decoded"
+	@echo "   --dense and --sparse on $(THREADS) CPU threads"
+	$(BIN)/python benchmarks/sparsity_demo.py -t $(THREADS)
 
 bench: install
 	$(BIN)/python -m pip install -q psutil
