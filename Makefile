@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pinfer-installed
 THREADS ?= 2
 PROMPT ?= Once upon a time
 
-.PHONY: install test demo bench gpu-check lint clean
+.PHONY: install test wheel-check demo bench gpu-check lint clean
 
 install: $(STAMP)
 
@@ -23,6 +23,12 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The package as users get it: sdist and wheel built, the wheel installed into a fresh venv (torch==2.13.0 first),
+# every tool run from outside the checkout on a tiny planted model, no warnings from pip or setuptools; needs PyPI
+# (or a local index) and ~1-2 minutes. See .ci/wheel_check.sh.
+wheel-check:
+	bash .ci/wheel_check.sh $(PYTHON)
 
 DEMO_GPUS = --gpu rtx4090 --gpu rtx3090 --gpu rtx4080 --gpu rtx2080ti --gpu t4 --gpu a100-40g --gpu h100-pcie \
             --gpu rtx3090+rtx3090
