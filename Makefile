@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pinfer-installed
 THREADS ?= 2
 PROMPT ?= Once upon a time
 
-.PHONY: install test demo bench gpu-check lint clean
+.PHONY: install test wheel-check demo bench gpu-check lint clean
 
 install: $(STAMP)
 
@@ -24,6 +24,12 @@ $(STAMP): pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q tests
 
+# The package as users get it: sdist and wheel built, the wheel installed into a fresh venv (torch==2.13.0 first),
+# every tool run from outside the checkout on a tiny planted model, no warnings from pip or setuptools; needs PyPI
+# (or a local index) and ~1-2 minutes. See .ci/wheel_check.sh.
+wheel-check:
+	bash .ci/wheel_check.sh $(PYTHON)
+
 DEMO_GPUS = --gpu rtx4090 --gpu rtx3090 --gpu rtx4080 --gpu rtx2080ti --gpu t4 --gpu a100-40g --gpu h100-pcie \
             --gpu rtx3090+rtx3090
 DEMO_HOST = --cpu-cores 16 --cpu-bw 60 --host-ram 128
@@ -35,6 +41,9 @@ demo: install
 	@mkdir -p build
 	$(BIN)/pi-plan skeleton llama2-13b --quant f16 -o build/llama2-13b-f16.gguf
 	$(BIN)/pi-plan compare build/llama2-13b-f16.gguf $(DEMO_GPUS) $(DEMO_HOST)
+	@echo "== activation locality: a planted ReLU model (made and given predictors once, into build/), decoded"
+	@echo "   --dense and --sparse on $(THREADS) CPU threads"
+	$(BIN)/python benchmarks/sparsity_demo.py -t $(THREADS)
 
 bench: install
 	$(BIN)/python -m pip install -q psutil

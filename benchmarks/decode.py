@@ -13,7 +13,7 @@ round); it is printed first. The engines' own medians over rounds are unpaired (
 a different round), so on a shared machine they can disagree with the paired ratio (84.3 vs 72.0 tok/s once, while
 the paired ratio was 1.00x): they are printed as context only.
 
-Two llama.cpps: llama-cpp-python (pip install 'pinfer[bench]') drives llama.cpp one token at a time from Python,
+Two llama.cpps: llama-cpp-python (pip install 'pinfer-llm[bench]') drives llama.cpp one token at a time from Python,
 as this script drives pinfer; `--llama-bench PATH` also runs llama.cpp's own C++ benchmark (llama-bench, text
 generation of --tokens tokens after an empty prompt, one repetition per round), which has no Python in its loop.
 This script never builds llama.cpp; without --llama-bench it says so.
@@ -161,7 +161,7 @@ def main() -> None:
 
         engines.append("llamacpp")
     except ImportError:
-        missing["llamacpp"] = "llama-cpp-python is not installed (pip install 'pinfer[bench]')"
+        missing["llamacpp"] = "llama-cpp-python is not installed (pip install 'pinfer-llm[bench]')"
     if args.llama_bench and not (Path(args.llama_bench).is_file() and os.access(args.llama_bench, os.X_OK)):
         raise SystemExit(f"--llama-bench {args.llama_bench}: not an executable file")
     if args.llama_bench and args.depth:

@@ -515,7 +515,7 @@ def test_no_cupy_is_a_one_line_error(monkeypatch):
         return real(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_cupy)
-    with pytest.raises(GPUUnavailable, match=r"CuPy is not installed: pip install 'pinfer\[gpu-cuda12\]'") as e:
+    with pytest.raises(GPUUnavailable, match=r"CuPy is not installed: pip install 'pinfer-llm\[gpu-cuda12\]'") as e:
         CudaDevice()
     assert "\n" not in str(e.value)
 

