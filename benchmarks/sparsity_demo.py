@@ -177,9 +177,22 @@ def top1_agreement(m, prompt_ids: list[int], continuation: list[int]) -> float:
     return float((pred == continuation).mean())
 
 
+def ensure_twin(path: Path, twin: Path, say=print) -> None:
+    """The model as llama.cpp's converter lays it out (benchmarks/e2e_sparse.py dense_twin): what a dense engine
+    reads, every row of every neuron. Made once beside the model."""
+    if twin.exists() and twin.stat().st_mtime >= path.stat().st_mtime:
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from e2e_sparse import dense_twin
+
+    say(f"writing {twin.name}: the same weights in llama.cpp's layout ...")
+    dense_twin(path, twin)
+
+
 def compare(path, prompt: str = PROMPT, tokens: int = 64, rounds: int = 3, threads: int = 2,
-            mode: str = "sparse", baseline: str = "dense") -> dict:
-    """The demo's measurements: ffn_mode `baseline` and `mode` (load_model's) decoding the same greedy prompt."""
+            mode: str = "sparse", baseline: str = "dense", twin: Path | None = None) -> dict:
+    """The demo's measurements: ffn_mode `baseline` and `mode` (load_model's) decoding the same greedy prompt; with
+    `twin` (the model in llama.cpp's layout), also a dense engine that reads every row, as a third row."""
     from pinfer_llm.formats import constants as C
     from pinfer_llm.runtime import load_model
 
@@ -187,6 +200,8 @@ def compare(path, prompt: str = PROMPT, tokens: int = 64, rounds: int = 3, threa
         raise ValueError("need rounds >= 1 and tokens >= 2")
     models = {"baseline": load_model(path, threads=threads, ffn_mode=baseline),
               "mode": load_model(path, threads=threads, ffn_mode=mode)}
+    if twin is not None:
+        models["twin"] = load_model(twin, threads=threads, ffn_mode="dense")
     ids = models["baseline"].tokenizer.encode(prompt)
 
     def run(m) -> tuple[list[int], float]:
@@ -197,15 +212,17 @@ def compare(path, prompt: str = PROMPT, tokens: int = 64, rounds: int = 3, threa
     for m in models.values():  # warm-up: page faults, the thread pool, first-call costs
         list(m.generate(ids, max_tokens=4, temperature=0.0, stop_ids=set()))
         reset_counts(m)
-    tps: dict[str, list[float]] = {"baseline": [], "mode": []}
+    tps: dict[str, list[float]] = {k: [] for k in models}
     outs: dict[str, list[int]] = {}
     for r in range(rounds):
-        for k in (("baseline", "mode") if r % 2 == 0 else ("mode", "baseline")):
+        for k in (list(models) if r % 2 == 0 else list(models)[::-1]):
             out, t = run(models[k])
             tps[k].append(t)
             if outs.setdefault(k, out) != out:
                 raise RuntimeError(f"greedy decoding in mode {k} gave two different continuations")
     ratios = [s / d for s, d in zip(tps["mode"], tps["baseline"], strict=True)]
+    if twin is not None and outs["twin"] != outs["baseline"]:
+        raise RuntimeError("the llama.cpp-layout twin decoded other tokens than the model")
     share = {k: share_computed(m) for k, m in models.items()}
 
     cont = outs["baseline"]
@@ -234,6 +251,15 @@ def compare(path, prompt: str = PROMPT, tokens: int = 64, rounds: int = 3, threa
                      "ffn_bytes_per_token": read(models[k], share[k]),
                      "top1_agreement": 1.0 if k == "baseline" else round(agree, 4)})
     rows[1]["speedup_rounds"] = [round(x, 3) for x in ratios]
+    if twin is not None:  # every row read: what llama.cpp's dense kernels read for this model
+        vs = [s / d for s, d in zip(tps["mode"], tps["twin"], strict=True)]
+        rows.append({"mode": "all rows (llama.cpp)",
+                     "decode_tokens_per_s": round(statistics.median(tps["twin"]), 2),
+                     "decode_tokens_per_s_rounds": [round(x, 2) for x in tps["twin"]],
+                     "speedup": round(statistics.median([d / s for s, d in zip(tps["baseline"], tps["twin"],
+                                                                               strict=True)]), 3),
+                     "neurons_computed": 1.0, "ffn_bytes_per_token": b["gate"] + b["up_down"],
+                     "top1_agreement": 1.0, "sparse_speedup_over_it": round(statistics.median(vs), 3)})
     rows[1]["first_divergence"] = diverge  # index of the first token the free-running runs differ in, or None
     return {"model": str(path), "shape": [cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv],
             "dtype": f.info(C.tensor(C.FFN_UP, 0)).type_name, "prompt": prompt, "prompt_tokens": len(ids),
@@ -247,7 +273,7 @@ def render(res: dict, setup: dict | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(highlight=False, width=None if sys.stdout.isatty() else 100)
+    con = Console(highlight=False, width=None if sys.stdout.isatty() else 112)
     n_layer, d, n_ff, *_ = res["shape"]
     mb = lambda n: f"{n / 2**20:.1f} MB"  # noqa: E731
     con.print(f"planted ReLU model: {n_layer} layers x {d} wide x {n_ff} FFN neurons, {res['dtype']}; "
@@ -257,10 +283,11 @@ def render(res: dict, setup: dict | None = None) -> None:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("FFN", "decode tok/s", "speed-up", "neurons computed", "FFN weights read", "top-1 agreement"):
         t.add_column(col, justify="left" if col == "FFN" else "right")
-    for i, r in enumerate(res["rows"]):
-        t.add_row(f"--{r['mode']}", f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                  f"{r['neurons_computed']:.1%}", mb(r["ffn_bytes_per_token"]) + "/token",
-                  "(reference)" if i == 0 else f"{r['top1_agreement']:.3f}")
+    for r in res["rows"][2:] + res["rows"][:2]:
+        every = r["mode"] == "all rows (llama.cpp)"
+        t.add_row(r["mode"] if every else f"--{r['mode']}", f"{r['decode_tokens_per_s']:.1f}",
+                  f"{r['speedup']:.2f}x", f"{r['neurons_computed']:.1%}", mb(r["ffn_bytes_per_token"]) + "/token",
+                  "(same tokens)" if every else "(reference)" if r is res["rows"][0] else f"{r['top1_agreement']:.3f}")
     con.print(t)
     s = res["rows"][1]
     div = s["first_divergence"]
@@ -272,6 +299,12 @@ def render(res: dict, setup: dict | None = None) -> None:
               f"continuation teacher-forced through --sparse (free-running, "
               + (f"they first differ at token {div + 1} of {res['tokens']})." if div is not None
                  else f"all {res['tokens']} tokens are the same)."))
+    if len(res["rows"]) > 2:
+        w = res["rows"][2]
+        fewer = w["ffn_bytes_per_token"] / s["ffn_bytes_per_token"]
+        con.print(f"all rows (llama.cpp): the same weights in llama.cpp's layout, every row of every neuron read, as "
+                  f"a dense engine does; --sparse is {w['sparse_speedup_over_it']:.2f}x faster, reading {fewer:.1f}x "
+                  f"fewer FFN bytes.")
 
 
 def main() -> None:
@@ -286,6 +319,8 @@ def main() -> None:
     ap.add_argument("-n", "--tokens", type=int, default=64, help="greedy tokens per run")
     ap.add_argument("--rounds", type=int, default=3, help="paired --dense/--sparse rounds after the warm-up")
     ap.add_argument("-t", "--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--no-twin", action="store_true", help="skip the row of a dense engine that reads every row "
+                    "(the demo's model copied into llama.cpp's layout, once, into build/; never made for --model)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = ap.parse_args()
 
@@ -296,7 +331,11 @@ def main() -> None:
     # a --model is never replaced, only given predictors where it has none
     setup = ensure_model(path, parse_shape(args.shape), args.sparsity, args.recall, args.threads, say,
                          make=args.model is None)
-    res = compare(path, args.prompt, args.tokens, args.rounds, args.threads)
+    twin = None
+    if not args.no_twin and args.model is None:  # a copy of the demo's own model only, never of a user's file
+        twin = path.with_name(path.stem + "-llamacpp-layout.gguf")
+        ensure_twin(path, twin, say)
+    res = compare(path, args.prompt, args.tokens, args.rounds, args.threads, twin=twin)
     if args.json:
         print(json.dumps(res | {"setup_s": setup}))
     else:

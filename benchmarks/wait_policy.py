@@ -68,8 +68,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=180, help="seconds a run may take (a collapse can be 70x slower)")
+    ap.add_argument("--spin", default="", help="comma-separated GOMP_SPINCOUNT values to measure instead of the "
+                    "built-in list (libgomp's default and PASSIVE are always measured)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.spin:
+        for k in [k for k in POLICIES if k.startswith("GOMP_SPINCOUNT=")]:
+            del POLICIES[k]
+        POLICIES.update({f"GOMP_SPINCOUNT={int(s)}": {"GOMP_SPINCOUNT": str(int(s))} for s in a.spin.split(",")})
     names = list(POLICIES)
     tps = {(load, n): [] for load in ("idle", "busy") for n in names}
     for r in range(a.rounds):
@@ -80,8 +86,7 @@ def main() -> None:
                 time.sleep(0.5 if spinner else 0)
                 for n in order:
                     tps[load, n].append(run_once(a.model, a.threads, a.tokens, POLICIES[n], a.timeout))
-                    if not a.json:
-                        print(f"round {r + 1} {load:4} {n:28} {tps[load, n][-1]:7.1f} tok/s", file=sys.stderr)
+                    print(f"round {r + 1} {load:4} {n:28} {tps[load, n][-1]:7.1f} tok/s", file=sys.stderr)
             finally:
                 if spinner:
                     spinner.kill()

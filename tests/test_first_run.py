@@ -78,6 +78,19 @@ def test_process_age_counts_from_the_process_start():
     assert 0.5 <= age < 30
 
 
+@pytest.mark.parametrize("env, want", [
+    ({}, T.SPINCOUNT),
+    ({"GOMP_SPINCOUNT": "77"}, "77"),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),  # the user's choice: nothing added beside it
+])
+def test_the_cli_sets_a_wait_policy_unless_the_user_did(env, want):
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import os, pinfer_llm.cli; print(os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base | env,
+                         check=True).stdout.strip()
+    assert out == str(want)
+
+
 def fake_ticks(monkeypatch, samples):
     """/proc as a list of ((busy, total) of our CPUs, this process's ticks), one per reading."""
     it = iter(samples)
@@ -122,3 +135,26 @@ def test_busy_cores_sees_a_spinning_process():
     free = sample.free()
     spin.wait()
     assert free is not None and free <= len(sample.cpus) - 0.5
+
+
+class _M:
+    threads = 2
+
+
+@pytest.mark.parametrize("explicit, busy_others, threads, said", [
+    (False, 300, 1, "pi-run: other processes keep 1.0 of 2 cores busy: using 1 thread (-t 2 to use every core anyway)"),
+    (False, 100, 2, None),  # a third of a core: both threads stay
+    (True, 300, 2, "pi-run: warning: 2 threads, but other processes keep 1.0 of 2 cores busy: -t 1 may be faster"),
+    (False, 600, 1, "pi-run: other processes keep 2.0 of 2 cores busy: using 1 thread (-t 2 to use every core anyway)"),
+])
+def test_threads_fit_the_free_cores_unless_asked(monkeypatch, capsys, explicit, busy_others, threads, said):
+    fake_ticks(monkeypatch, [((0, 0), 0), ((busy_others + 50, 600), 50)])
+    m = _M()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        T.fit_threads("pi-run", m, explicit, T.BusyCores())
+        assert m.threads == threads and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert capsys.readouterr().err == (said + "\n" if said else "")

@@ -152,3 +152,19 @@ def test_script_table(planted):
     for row in ("--dense", "--sparse"):
         assert any(ln.strip().startswith(row) for ln in lines), out.stdout
     assert "(reference)" in out.stdout and "fewer FFN bytes" in out.stdout
+
+
+def test_the_all_rows_row_is_a_dense_engine_on_the_same_weights(planted, tmp_path):
+    """The third row: the model in llama.cpp's layout, decoded dense, reads every FFN row and gives the same tokens."""
+    twin = tmp_path / "twin.gguf"
+    demo.ensure_twin(planted, twin, say=lambda m: None)
+    f = open_gguf(twin)
+    assert f.has(C.tensor(C.FFN_DOWN, 0)) and not f.has(C.tensor(C.FFN_DOWN_T, 0))
+    assert not config_from_gguf(f).has_predictors
+    res = demo.compare(planted, tokens=12, rounds=1, threads=2, twin=twin)
+    every, dense, sparse = res["rows"][2], res["rows"][0], res["rows"][1]
+    b = res["ffn_bytes"]
+    assert every["ffn_bytes_per_token"] == b["gate"] + b["up_down"] > dense["ffn_bytes_per_token"]
+    assert every["neurons_computed"] == 1.0
+    assert every["sparse_speedup_over_it"] == pytest.approx(sparse["decode_tokens_per_s"]
+                                                            / every["decode_tokens_per_s"], rel=1e-2)

@@ -43,7 +43,7 @@ from pinfer_llm.cli.options import (
     version_option,
     warn_ctx,
 )
-from pinfer_llm.cli.threads import BusyCores, warn_if_busy
+from pinfer_llm.cli.threads import BusyCores, fit_threads
 from pinfer_llm.formats.errors import PinferError, report
 from pinfer_llm.runtime.sampling import SamplingParams
 
@@ -157,8 +157,9 @@ def run(
     file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file (-: stdin).")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate; -1: until the end of the "
                                            "turn or a full context.")] = 128,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores). More than "
-                                                "the cores this process may use is capped to them, with a warning: "
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: one per core that other "
+                                                "processes leave free). More than the cores this process may use "
+                                                "is capped to them, more than the free ones is warned about: "
                                                 "surplus threads only wait for each other.")] = None,
     temp: Annotated[float, typer.Option("--temp", "--temperature", help="Temperature; 0 or less: greedy (as "
                                         "llama.cpp).")] = 0.8,
@@ -248,7 +249,7 @@ def run(
         warn_ctx(m, ctx_size, "pi-run")
         if not as_json:
             print_notices(m)
-        warn_if_busy("pi-run", m.threads, cores)
+        fit_threads("pi-run", m, threads is not None, cores)
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                         repeat_last_n=repeat_last_n, seed=seed)
         max_tokens = m.ctx_size if n_predict == -1 else n_predict  # the context ends it before that

@@ -32,6 +32,7 @@ from pinfer_llm.cli.options import (
     version_option,
     warn_ctx,
 )
+from pinfer_llm.cli.threads import BusyCores, warn_if_busy
 from pinfer_llm.formats.errors import PinferError, report
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
@@ -75,6 +76,7 @@ def serve(
         from pinfer_llm.runtime import load_model
         from pinfer_llm.runtime.serving.server import create_app
 
+        cores = BusyCores()  # measured over the load
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode, gpu=gpu,
                        placement=placement, vram_budget=vram_budget, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
                        say=lambda msg: print(f"pi-serve: {msg}", file=sys.stderr, flush=True))
@@ -82,6 +84,8 @@ def serve(
         warn_ctx(m, ctx_size, "pi-serve")
         for n in m.notices:
             print(f"pi-serve: note: {n}", file=sys.stderr)
+        # a server outlives the load it starts beside: warned about, the thread count left as asked
+        warn_if_busy("pi-serve", m.threads, cores)
         app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads)
         run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key))
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line

@@ -1,12 +1,28 @@
-"""Threads on a machine that is not ours alone: a warning when -t asks for more threads than other processes leave
-cores free. torch's OpenMP threads spin while they wait for each other, so a thread without a core of its own slows
-every step of the others."""
+"""Threads on a machine that is not ours alone.
+
+torch's CPU wheels use GNU OpenMP (libgomp). Between two parallel regions (a decode step has ~120) a libgomp thread
+spins GOMP_SPINCOUNT times before it sleeps. On an idle machine spinning is what makes a step fast; when a core is
+busy with another process, a spinning thread burns the time slice that the thread it waits for needs, and decoding
+collapses. So the CLI sets a short spin by default (default_wait_policy), gives each free core one thread when -t is
+not given, and warns when -t asks for more threads than other processes leave cores free (fit_threads)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+
+# GOMP_SPINCOUNT where the user set neither it nor OMP_WAIT_POLICY (benchmarks/wait_policy.py; docs/running.md).
+SPINCOUNT = "5000"
+
+
+def default_wait_policy() -> None:
+    """How long torch's OpenMP threads spin before they sleep, set before torch is imported (libgomp reads its
+    environment once, when torch loads it). libgomp's default spin (300,000) is fastest on an idle machine and
+    collapses beside one busy core; OMP_WAIT_POLICY=PASSIVE never collapses but is slow idle; a short spin is near
+    the first idle and far from its collapse."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = SPINCOUNT
 
 
 def usable_cores() -> list[int]:
@@ -73,3 +89,22 @@ def warn_if_busy(prog: str, threads: int, sample: BusyCores) -> None:
     n = len(sample.cpus)
     print(f"{prog}: warning: {threads} threads, but other processes keep {n - free:.1f} of {n} cores busy: "
           f"-t {max(1, round(free))} may be faster", file=sys.stderr)
+
+
+def fit_threads(prog: str, m, explicit: bool, sample: BusyCores) -> None:
+    """Threads for the cores that are free: with -t, a warning when they outnumber them (warn_if_busy); without -t
+    (default: every core) and with other processes keeping cores busy, one thread per free core, said in one line.
+    Measured (benchmarks/wait_policy.py, SmolLM2, 2-core Xeon, one core kept busy): 2 threads decode at 5-40 tok/s
+    depending on the wait policy, 1 thread at 78."""
+    import torch
+
+    if explicit:
+        return warn_if_busy(prog, m.threads, sample)
+    free = sample.free()
+    if free is None or m.threads <= round(free):
+        return
+    n, total = max(1, round(free)), len(sample.cpus)
+    torch.set_num_threads(n)
+    m.threads = n
+    print(f"{prog}: other processes keep {total - free:.1f} of {total} cores busy: using {n} "
+          f"thread{'s' if n > 1 else ''} (-t {total} to use every core anyway)", file=sys.stderr)
