@@ -61,6 +61,7 @@ GPU_SITE = build/gpu-site
 gpu-check:
 	$(GPU_PYTHON) -m pip install -q --no-deps --target $(GPU_SITE) $(if $(wildcard .whl/*.whl),--no-index .whl/*.whl,gguf pulp)
 	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+	-PYTHONPATH=$(GPU_SITE):src:. benchmarks/gpu_sanitize.sh $(GPU_PYTHON) benchmarks/results/gpu_sanitize.json
 	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_e2e.py --rounds 1 --placements plan,layers --cpu-last \
 	  --deadline 150 --merge-into benchmarks/results/gpu_check.json
 

@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", default=str(ROOT / "benchmarks/results/gpu_check.json"))
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a smoke run)")
+    ap.add_argument("--checks-only", action="store_true",
+                    help="correctness only, no timing (what benchmarks/gpu_sanitize.sh runs under compute-sanitizer)")
     args = ap.parse_args(argv)
     from pinfer_llm.runtime.gpu import CudaDevice, GPUUnavailable
 
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
                               "tol": 0.0, "pass": False})
         traceback.print_exc()
     print_checks(res["checks"])
+    if args.checks_only:
+        return _finish(res, args, t0)
     res["copy_gbps"] = copy_bandwidth(cp)
     print(f"\ndevice copy bandwidth (read + write): {res['copy_gbps']:.0f} GB/s")
     try:
@@ -70,6 +74,10 @@ def main(argv=None) -> int:
     except Exception as e:
         res["bench_error"] = repr(e)
         traceback.print_exc()
+    return _finish(res, args, t0)
+
+
+def _finish(res: dict, args, t0: float) -> int:
     res["seconds"] = round(time.time() - t0, 1)
     res["all_pass"] = all(c["pass"] for c in res["checks"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,13 @@ import numpy as np
 
 HEADER = Path(__file__).with_name("cuda_emu.h")
 CXX = os.environ.get("CXX", "g++")
-FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-x", "c++", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas")
+# -fsanitize=thread for its instrumentation only: cuda_emu.h defines the __tsan_* hooks (its race detector), and the
+# link step below does not name the sanitizer, so libtsan is not linked.
+# -fvisibility=hidden and -fno-gnu-unique: a process loads several kernel libraries (a planted fault beside the real
+# source), and default-visibility template instances (the kernels, their __shared__ statics) would be bound to the
+# first library's copies, so a planted library could run the real kernel's code and share its shared memory.
+FLAGS = ("-std=c++17", "-O1", "-fPIC", "-x", "c++", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas",
+         "-fsanitize=thread", "-fvisibility=hidden", "-fno-gnu-unique")
 CACHE = Path(tempfile.gettempdir()) / "pinfer-cuda-emu"
 
 # C parameter type -> (ctypes type, accepted numpy dtypes). Pointers are checked by element type.
@@ -105,11 +111,12 @@ def _params(text: str) -> list[tuple[str, str]]:
 
 
 def _shim(kernels: dict[str, list[tuple[str, str]]]) -> str:
-    lines = ['extern "C" const char* emu_error() { return emu::error.c_str(); }']
+    lines = ['#define EMU_EXPORT extern "C" __attribute__((visibility("default")))',
+             'EMU_EXPORT const char* emu_error() { return emu::error.c_str(); }']
     for name, params in kernels.items():
         decl = ", ".join(f"{c} {n}" for c, n in params)
         names = ", ".join(n for _, n in params)
-        lines.append(f'extern "C" int emu_launch_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
+        lines.append(f'EMU_EXPORT int emu_launch_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
                      f'unsigned by, unsigned bz, unsigned seed, {decl}) {{\n'
                      f'  return emu::launch(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, seed,\n'
                      f'                     [=] {{ {name}({names}); }});\n}}')
@@ -120,9 +127,11 @@ _lock = threading.Lock()
 _modules: dict[str, Module] = {}
 
 
-def build(code: str) -> Module:
-    """Compile CUDA source text for the emulation (cached) and load it."""
-    key = hashlib.sha256("\0".join([code, HEADER.read_text(), CXX, *FLAGS]).encode()).hexdigest()[:20]
+def build(code: str, arch: int = 0) -> Module:
+    """Compile CUDA source text for the emulation (cached) and load it. arch: the architecture whose branches the
+    kernels take (PINFER_ARCH, e.g. 900 for Hopper's); 0 for the generic ones."""
+    flags = (*FLAGS, f"-DEMU_ARCH={arch}") if arch else FLAGS
+    key = hashlib.sha256("\0".join([code, HEADER.read_text(), CXX, *flags]).encode()).hexdigest()[:20]
     with _lock:
         if key in _modules:
             return _modules[key]
@@ -138,8 +147,13 @@ def build(code: str) -> Module:
         shim = CACHE / f"{key}.shim.cpp"
         shim.write_text(f'#include "{src}"\n' + _shim(kernels))
         tmp = lib.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        cc = subprocess.run([CXX, *FLAGS, "-include", str(HEADER), str(shim), "-o", str(tmp)],
+        obj = tmp.with_suffix(".o")
+        cc = subprocess.run([CXX, *flags, "-c", "-include", str(HEADER), str(shim), "-o", str(obj)],
                             capture_output=True, text=True)
+        if not cc.returncode:
+            cc = subprocess.run([CXX, "-shared", "-Wl,-Bsymbolic", str(obj), "-o", str(tmp)], capture_output=True,
+                                text=True)
+        obj.unlink(missing_ok=True)
         if cc.returncode:
             raise EmuError(cc.stderr[-20000:])
         meta.write_text(json.dumps(kernels))

@@ -111,10 +111,14 @@ def ascontiguousarray(a):
     return np.ascontiguousarray(a).view(FakeArray)
 
 
+# The architecture whose branches the emulated kernels take (emu.build's arch: 900 runs Hopper's); 0, the generic ones.
+ARCH = 0
+
+
 class RawModule:
     def __init__(self, code: str, options=()):
         assert "--std=c++17" in options
-        self._module = emu.build(code)
+        self._module = emu.build(code, ARCH)
 
     def get_function(self, name: str):
         kernel = self._module.get_function(name)

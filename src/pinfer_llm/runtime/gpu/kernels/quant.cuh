@@ -302,9 +302,10 @@ __device__ __forceinline__ int take_lowest(u32& todo) {
   return l;
 }
 
-// y[0..3] += v atomically: one 16-byte reduction on Hopper, four 4-byte ones elsewhere.
+// y[0..3] += v atomically: one 16-byte reduction on Hopper, four 4-byte ones elsewhere. PINFER_ARCH: the CPU
+// emulation's stand-in for __CUDA_ARCH__, so that its tests run the Hopper branch too.
 __device__ __forceinline__ void atomic_add4(float* y, float4 v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900) || (defined(PINFER_ARCH) && PINFER_ARCH >= 900)
   atomicAdd(reinterpret_cast<float4*>(y), v);
 #else
   atomicAdd(y, v.x);

@@ -206,7 +206,6 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
   // bytes per quad: no bank conflicts); tail positions at p + 4 * (p / 32), padding each 32-value block by 16 bytes
   // so that lanes 32 floats apart land in different banks.
   __shared__ __align__(16) float red[TT][1152];
-  __shared__ int busy;
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nwb = blockDim.x >> 5;
   const int nb = cols >> 5, ntile = nb >> 5, ntail = nb & 31;
   const int unit = blockIdx.x;
@@ -216,7 +215,6 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
   const int jb = (blockIdx.y * nwb + wib) * rows_per_warp;
   const int je = imin(jb + rows_per_warp, k);
   for (int t0 = 0; t0 < T; t0 += TT) {
-    if (threadIdx.x == 0) busy = 0;
     float acc[TT][32];
 #pragma unroll
     for (int t = 0; t < TT; ++t)
@@ -264,9 +262,10 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
         }
       }
     }
-    if (worked && lane == 0) busy = 1;
-    __syncthreads();
-    if (!busy) continue;  // block-uniform: no row of this block was active for these tokens
+    // One barrier that also tells every thread whether any warp worked: a flag in shared memory would need a
+    // barrier after its reset as well (a fast warp could set it before thread 0 cleared it, and one that skipped the
+    // closing barrier could clear it under a slow warp still reading it), and the block would drop its rows' sums.
+    if (!__syncthreads_or(worked)) continue;  // block-uniform: no row of this block was active for these tokens
     for (int wi = 0; wi < nwb; ++wi) {  // the warps add their sums one after another
       if (wib == wi) {
 #pragma unroll
@@ -292,7 +291,7 @@ __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride
         atomic_add4(y + (i64)(t0 + t) * cols + unit * TILE_VALUES + p, v);
       }
     }
-    __syncthreads();  // red and busy are reused by the next tokens
+    __syncthreads();  // red is reused by the next tokens
   }
 }
 
