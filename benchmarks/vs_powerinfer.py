@@ -38,7 +38,7 @@ def child_rss_mb() -> float:
 def run_pinfer(model: Path, threads: int, tokens: int) -> dict:
     cmd = [sys.executable, "-m", "pinfer_llm.cli.run", str(model), "-p", PROMPT, "-n", str(tokens), "-t", str(threads),
            "--temp", "0", "--sparse", "--gpu", "none", "-c", "256", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"pi-run failed:\n{out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -54,7 +54,8 @@ _LOAD = re.compile(r"load time =\s*([\d.]+) ms")
 def run_powerinfer(main: str, model: Path, threads: int, tokens: int) -> dict:
     cmd = [main, "-m", str(model), "-p", PROMPT, "-n", str(tokens), "-t", str(threads), "--temp", "0", "-c", "256",
            "--ignore-eos", "--seed", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=model.parent)  # it writes main.log into its cwd
+    # cwd: it writes main.log there. errors="replace": its output is not always UTF-8 (a 0xa0 byte ended a run)
+    out = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=model.parent)
     if out.returncode != 0:
         raise SystemExit(f"PowerInfer failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}")
     evals = [m for m in _EVAL.finditer(out.stderr) if "prompt eval" not in out.stderr[max(0, m.start() - 8):m.start()]]

@@ -184,3 +184,39 @@ def test_vocabulary_the_tokenizer_library_rejects(tmp_path):
     write_llama(tmp_path / "m.gguf", cfg, random_weights(cfg), tokenizer=vocab)
     assert_one_line_error(*run(tmp_path / "m.gguf", "-p", "hi"), "m.gguf", "tokenizer library rejects",
                           "out of vocabulary")
+
+
+def _python(code: str, timeout: float = 60):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_fifo_as_model_is_refused_at_once(tmp_path):
+    """Opening a FIFO for reading waits for a writer: all the tools hung in open(). In a subprocess with a timeout,
+    so that a regression fails instead of hanging the suite."""
+    import os
+
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    r = _python(f"from pinfer_llm.formats.reader import open_gguf\nopen_gguf({str(fifo)!r})", timeout=30)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].endswith(
+        f"PinferError: {fifo}: is a FIFO, not a file: give the path of a .gguf file (models are mapped, not streamed)")
+    assert_one_line_error(*run(fifo, "-p", "hi"), "is a FIFO, not a file")
+
+
+def test_ctrl_c_while_a_command_still_imports_is_one_line():
+    """A Ctrl-C before the command's own handler exists (torch's import takes seconds) gave Python's traceback and
+    rc -2; a command says `interrupted` and exits 130. Once main() runs, Ctrl-C raises KeyboardInterrupt again, which
+    the commands report themselves."""
+    early = _python("import sys; sys.argv[0] = '/usr/bin/pi-run'\nimport os, signal, time\nimport pinfer_llm.cli\n"
+                    "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(10)\nprint('not interrupted')")
+    assert (early.returncode, early.stdout, early.stderr) == (130, "", "pi-run: interrupted\n")
+    later = _python("import sys; sys.argv[0] = '/usr/bin/pi-run'\nimport os, signal\nimport pinfer_llm.cli\n"
+                    "pinfer_llm.cli.interrupts_raise()\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                    "    import time; time.sleep(10)\nexcept KeyboardInterrupt:\n    print('raised')")
+    assert (later.returncode, later.stdout) == (0, "raised\n")
+    imported = _python("import os, signal\nimport pinfer_llm.cli\n"  # by a script or a test: left alone
+                       "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    assert imported.stdout == "True\n"

@@ -38,7 +38,8 @@ PLANTS = {  # name: (module, correct text, planted text, runs, what the detector
     "atomic_add4 with plain adds": ("sparse_ffn", ATOMICS, PLAIN, "ffn", r"data race on global memory .*another block"),
     "atomic_add4 with plain adds (Hopper)": (
         "sparse_ffn", "  atomicAdd(reinterpret_cast<float4*>(y), v);",
-        "  float4* p = reinterpret_cast<float4*>(y);\n  *p = make_float4(p->x + v.x, p->y + v.y, p->z + v.z, p->w + v.w);",
+        "  float4* p = reinterpret_cast<float4*>(y);\n"
+        "  *p = make_float4(p->x + v.x, p->y + v.y, p->z + v.z, p->w + v.w);",
         "ffn", r"data race on global memory .*another block"),
     "block_sum without its second barrier": (
         "norm", BLOCK_SUM_TAIL, BLOCK_SUM_TAIL.replace("  __syncthreads();\n", ""), "layer_norm",

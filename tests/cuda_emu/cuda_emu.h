@@ -284,7 +284,8 @@ EMU_NOSAN inline void check(const void* p, size_t n, bool write, bool atomic) {
         const Who o = who(w);
         if (!before(o.block, o.warp, c.w_bep, c.w_wep))
           return race(write ? "write after write" : "read after write", a, describe(w),
-                      o.block == me.block ? "with no __syncthreads between" : "(another block: only atomics may share)");
+                      o.block == me.block ? "with no __syncthreads between"
+                                          : "(another block: only atomics may share)");
       }
     }
     if (write) {

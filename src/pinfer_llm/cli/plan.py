@@ -23,6 +23,7 @@ import numpy as np
 import typer
 from rich.console import Console
 
+from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import ModelOpt, pick_model, version_option
 from pinfer_llm.formats.errors import PinferError, report
 from pinfer_llm.formats.reader import open_gguf
@@ -449,6 +450,7 @@ def _terminated(signum, frame):
 def main(argv: list[str] | None = None) -> None:
     args = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     signal.signal(signal.SIGTERM, _terminated)
+    interrupts_raise()
     app(args=args, prog_name=PROG)
 
 

@@ -23,6 +23,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import FfnAct, ModelArg, ModelOpt, pick_model, version_option
 from pinfer_llm.formats.errors import PinferError, report
 
@@ -347,6 +348,7 @@ def run(
 
 
 def main() -> None:
+    interrupts_raise()
     app()
 
 

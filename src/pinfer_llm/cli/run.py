@@ -24,6 +24,7 @@ from typing import Annotated
 
 import typer
 
+from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import (
     Dense,
     FfnAct,
@@ -347,6 +348,7 @@ def run_perplexity(model, path: Path, threads, ctx_size, ffn_act, mode: str, as_
 
 
 def main() -> None:
+    interrupts_raise()
     app()
 
 

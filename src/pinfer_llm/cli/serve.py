@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import (
     Dense,
     FfnAct,
@@ -129,6 +130,7 @@ def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: b
 
 
 def main() -> None:
+    interrupts_raise()
     app()
 
 

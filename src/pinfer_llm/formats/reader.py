@@ -24,7 +24,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     its map is made from that descriptor, and through it the object pins the section's bytes (formats/locks.py)."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever (it is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise PinferError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -38,6 +39,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
             raise PinferError(f"{path}: is a directory, expected a .gguf file")
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+            raise PinferError(f"{path}: is {kind}, not a file: give the path of a .gguf file (models are mapped, "
+                              f"not streamed)")
         size = st.st_size
         if size < 24:
             raise PinferError(f"{path}: not a GGUF file ({size} bytes is too short for a header)")
