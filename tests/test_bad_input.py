@@ -220,3 +220,26 @@ def test_ctrl_c_while_a_command_still_imports_is_one_line():
     imported = _python("import os, signal\nimport pinfer_llm.cli\n"  # by a script or a test: left alone
                        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
     assert imported.stdout == "True\n"
+
+
+@pytest.mark.parametrize("value", [2**32 - 1, 22])
+def test_a_layer_count_beyond_the_files_tensors_fails_fast(tmp_path, value):
+    """One 4-byte field, llama.block_count, set to 2^32-1: pi-run and pi-plan built 4.3 billion tensor names (past
+    30 s, ~40 MB/s). The count is checked against the tensors the file holds before anything loops over it; 22 is
+    one more than the tiny model's 21 tensors."""
+    import struct
+    import subprocess
+    import sys
+
+    write_tiny(tmp_path / "t.gguf")
+    b = bytearray((tmp_path / "t.gguf").read_bytes())
+    i = b.find(b"llama.block_count") + len("llama.block_count")
+    assert struct.unpack_from("<II", b, i) == (4, 2)  # u32, 2 layers
+    struct.pack_into("<I", b, i + 4, value)
+    (tmp_path / "m.gguf").write_bytes(b)
+    want = f"metadata 'llama.block_count' is {value}, but the file holds only 21 tensors; the file is corrupt"
+    for tool, args in (("run", ["-p", "hi"]), ("plan", ["show"])):  # subprocesses: a regression fails, not hangs
+        cmd = [sys.executable, "-m", f"pinfer_llm.cli.{tool}"] + ([args[0]] if tool == "plan" else [])
+        cmd += [str(tmp_path / "m.gguf")] + (args if tool == "run" else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stderr == f"pi-{tool}: error: {tmp_path / 'm.gguf'}: {want}\n", r.stderr

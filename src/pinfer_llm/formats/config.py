@@ -106,6 +106,16 @@ def detect_ffn_activation(f: GGUFFile) -> str:
     return "gelu" if f.architecture == "falcon" else "silu"  # the original Falcon's FFN is GELU
 
 
+def bounded_layers(f: GGUFFile, n: int, key: str) -> int:
+    """A layer count from the metadata, checked against what the file can hold before anything loops over it: every
+    layer has tensors of its own, so a file of T tensors has at most T layers (one 4-byte field set to 2^32-1 made
+    pi-run and pi-plan build 4.3 billion tensor names)."""
+    if n > len(f.tensors):
+        raise PinferError(f"{f.path}: metadata '{key}' is {n}, but the file holds only {len(f.tensors)} tensors; "
+                          f"the file is corrupt")
+    return n
+
+
 def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
     """Build a ModelConfig from metadata and tensor shapes (no tensor data is read)."""
     arch = f.architecture
@@ -177,7 +187,7 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
     act = ffn_act or detect_ffn_activation(f)
     return ModelConfig(
         arch=arch,
-        n_layer=num(C.BLOCK_COUNT),
+        n_layer=bounded_layers(f, num(C.BLOCK_COUNT), f"{arch}.block_count"),
         n_embd=n_embd,
         n_ff=int(n_ff),
         n_head=n_head,

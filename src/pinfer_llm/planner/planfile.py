@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.config import bounded_layers
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.formats.gpuidx import gpuidx_path, write_gpuidx
 from pinfer_llm.formats.header import GGUFFile
@@ -146,11 +147,14 @@ def read_plan(f: GGUFFile, model: GGUFFile | None = None) -> StoredPlan:
 
 def _n_layer(f: GGUFFile) -> int:
     if f.architecture == C.GPU_INDEX_ARCH:
-        return int(f.get(C.GPU_INDEX_BLOCK_COUNT, 0))
-    n = f.arch_get(C.BLOCK_COUNT)
-    if n is None:
-        raise PinferError(f"{f.path}: no {f.architecture}.block_count; not a model or plan file")
-    return int(n)
+        key, n = C.GPU_INDEX_BLOCK_COUNT, f.get(C.GPU_INDEX_BLOCK_COUNT, 0)
+    else:
+        key, n = f"{f.architecture}.block_count", f.arch_get(C.BLOCK_COUNT)
+        if n is None:
+            raise PinferError(f"{f.path}: no {key}; not a model or plan file")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise PinferError(f"{f.path}: metadata '{key}' is {str(n)[:40]!r}, expected a layer count; the file is corrupt")
+    return bounded_layers(f, int(n), key)
 
 
 def copy_plan(src: str | os.PathLike, model: GGUFFile, dest: str | os.PathLike | None = None) -> Path:
