@@ -9,6 +9,8 @@ Hopper's branch.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from cuda_emu import emu, fake_cupy
@@ -29,11 +31,6 @@ PLAIN = """  y[0] += v.x;
 BLOCK_SUM_TAIL = """  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
   __syncthreads();
   return s;"""
-BUSY_FIXED = "    if (!__syncthreads_or(worked)) continue;"
-# The flag sparse_down used until 2026-12-03 (issue #25): thread 0 reset it with no barrier after the reset, and the
-# `continue` skipped the closing barrier.
-BUSY_RACY = "    if (worked && lane == 0) busy = 1;\n    __syncthreads();\n    if (!busy) continue;"
-
 PLANTS = {  # name: (module, correct text, planted text, runs, what the detector says)
     "atomic_add4 with plain adds": ("sparse_ffn", ATOMICS, PLAIN, "ffn", r"data race on global memory .*another block"),
     "atomic_add4 with plain adds (Hopper)": (
@@ -48,21 +45,17 @@ PLANTS = {  # name: (module, correct text, planted text, runs, what the detector
         "norm", "  if (lane == 0) buf[w] = v;\n  __syncthreads();",
         "  if (lane == 0) buf[w] = v;\n  if (w == 0) __syncthreads(); else __syncthreads();", "layer_norm",
         r"divergent __syncthreads"),
-    "sparse_down's busy flag (the original race)": (
-        "sparse_ffn", BUSY_FIXED, BUSY_RACY, "ffn", r"data race on shared memory"),
+    # rms_norm calls block_sum once and never reuses buf: the other warps exit cleanly and warp 0 waits for them
+    "a barrier only warp 0 reaches in block_sum": (
+        "norm", BLOCK_SUM_TAIL, BLOCK_SUM_TAIL.replace("  __syncthreads();", "  if (w == 0) __syncthreads();"),
+        "rms_norm", r"deadlock in block \(\d+,0,0\): 32 threads wait at __syncthreads, 0 at a warp operation, "
+        r"224 exited"),
 }
 
 
 def _planted(module: str, good: str, bad: str) -> str:
     text = source(module)
     assert text.count(good) == 1, f"the plant's correct text is no longer in {module} (exactly once)"
-    if "busy" in bad:  # the flag's declaration and reset, as they were
-        anchor = "  const int jb = (blockIdx.y * nwb + wib) * rows_per_warp;"
-        loop = "  for (int t0 = 0; t0 < T; t0 += TT) {\n"
-        assert text.count(anchor) == 1 and text.count(anchor + "\n  const int je") == 1
-        text = text.replace(anchor, "  __shared__ int busy;\n" + anchor)
-        i = text.index(loop, text.index(anchor)) + len(loop)
-        text = text[:i] + "    if (threadIdx.x == 0) busy = 0;\n" + text[i:]
     return text.replace(good, bad)
 
 
@@ -77,6 +70,8 @@ def _run(dev, what: str):
         return dev.to_numpy(dev.ffn(f, dev.asarray(x)))
     x = rng.standard_normal((3, 1000)).astype(np.float32)
     w, b = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
+    if what == "rms_norm":
+        return dev.to_numpy(dev.rms_norm(dev.asarray(x), dev.asarray(w), 1e-5))
     return dev.to_numpy(dev.layer_norm(dev.asarray(x), dev.asarray(w), dev.asarray(b), 1e-5))
 
 
@@ -97,7 +92,7 @@ def test_planted_race_is_caught(monkeypatch, name):
 
 
 @pytest.mark.parametrize("arch", [0, 900])
-@pytest.mark.parametrize("what", ["ffn", "layer_norm"])
+@pytest.mark.parametrize("what", ["ffn", "layer_norm", "rms_norm"])
 def test_live_kernels_are_clean_and_right(monkeypatch, arch, what):
     monkeypatch.setattr(fake_cupy, "ARCH", arch)
     got, want = _run(_device(), what), _run(ReferenceDevice(), what)
@@ -112,6 +107,82 @@ def test_the_hopper_plant_sits_in_a_branch_only_arch_900_runs(monkeypatch):
     monkeypatch.setattr(cuda_mod, "source", lambda m: text if m == module else source(m))
     monkeypatch.setattr(fake_cupy, "ARCH", 0)
     got, want = _run(_device(), what), _run(ReferenceDevice(), what)
+    assert np.max(np.abs(got - want)) <= 1e-4 * np.abs(want).max()
+
+
+# sparse_down's busy flag, as it was (tests/cuda_emu/racy_sparse_down.cu: a fixture, since the live kernel is being
+# rewritten), and the fix that went into the live kernel, applied to the same text.
+RACY_DOWN = Path(emu.__file__).with_name("racy_sparse_down.cu")
+BUSY_FIX = (("  __shared__ int busy;\n", ""), ("    if (threadIdx.x == 0) busy = 0;\n", ""),
+            ("    if (worked && lane == 0) busy = 1;\n    __syncthreads();\n    if (!busy) continue;",
+             "    if (!__syncthreads_or(worked)) continue;"))
+DOWN_D, DOWN_K, DOWN_RPW = 1024 + 64, 512, 32  # a tile and a tail; 2 blocks of 8 warps x 32 rows per unit
+
+
+def _down_h(case: str) -> np.ndarray:
+    """h [T, k]. "every row": one token, every warp has work, so warps 1-7 set the flag beside thread 0's reset.
+    "warp 0 only, after idle tokens": tokens 0-1 activate nothing (the block takes the `continue`), tokens 2-3 only
+    rows of each block's warp 0, so only thread 0 ever writes the flag: what races is the skipped barrier alone."""
+    rng = np.random.default_rng(3)
+    if case == "every row":
+        return rng.standard_normal((1, DOWN_K)).astype(np.float32)
+    h = np.zeros((4, DOWN_K), np.float32)
+    for blk in range(DOWN_K // (8 * DOWN_RPW)):
+        r0 = blk * 8 * DOWN_RPW
+        h[2:, r0:r0 + DOWN_RPW] = rng.standard_normal((2, DOWN_RPW))
+    return h
+
+
+def _run_down(text: str, h: np.ndarray):
+    rng = np.random.default_rng(5)
+    raw = L.random_rows(rng, L.F16, DOWN_K, DOWN_D)
+    w = np.ascontiguousarray(L.to_device(raw, L.F16, DOWN_D))
+    y = np.zeros((h.shape[0], DOWN_D), np.float32)
+    units = -(-DOWN_D // 1024)
+    kernel = emu.build(text).get_function(f"sparse_down_f16_t{1 if h.shape[0] == 1 else 2}")
+    kernel((units, DOWN_K // (8 * DOWN_RPW)), (256,),
+           (w, np.int64(w.shape[1]), np.int32(DOWN_D), h, np.int32(DOWN_K), np.int32(h.shape[0]), y,
+            np.int32(DOWN_RPW)))
+    return y, h.astype(np.float64) @ L.dequantize(raw, L.F16, DOWN_D).astype(np.float64)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("every row", r"data race on shared memory \(write after write\): thread \d+ of block .* and thread \d+ of "
+                  r"block .* with no __syncthreads between"),
+    ("warp 0 only, after idle tokens", r"data race on shared memory \((write after read|read after write)\)"),
+])
+def test_the_original_busy_flag_race_is_caught(case, says):
+    """Run one block after another, this kernel's results are right (see the fixed run below): only the detector
+    sees that a GPU would drop a block's sums."""
+    with pytest.raises(emu.EmuError, match=says):
+        _run_down(RACY_DOWN.read_text(), _down_h(case))
+
+
+@pytest.mark.parametrize("case", ["every row", "warp 0 only, after idle tokens"])
+def test_the_busy_flag_fix_is_clean_and_right(case):
+    text = RACY_DOWN.read_text()
+    for racy, fixed in BUSY_FIX:
+        assert text.count(racy) == 1, f"the fixture no longer holds {racy!r} exactly once"
+        text = text.replace(racy, fixed)
+    got, want = _run_down(text, _down_h(case))
+    assert np.max(np.abs(got - want)) <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("arch", [0, 900])
+def test_live_sparse_down_is_clean_when_a_block_skips_tokens(monkeypatch, arch):
+    """The live kernel on the input that made the old flag's skipped barrier race: four tokens (two token groups of
+    the 2-token kernel), the first two activating no row."""
+    monkeypatch.setattr(fake_cupy, "ARCH", arch)
+    h = _down_h("warp 0 only, after idle tokens")
+    rng = np.random.default_rng(5)
+    up, down = (L.random_rows(rng, L.F16, DOWN_K, DOWN_D) for _ in range(2))
+    out = []
+    for dev in (_device(), ReferenceDevice()):
+        f = dev.upload_ffn(up, down, L.F16, DOWN_D, np.arange(DOWN_K), act="relu_up")
+        y = dev.asarray(np.zeros((h.shape[0], DOWN_D), np.float32))
+        out.append(dev.to_numpy(dev.ffn_down(f, dev.asarray(h), y)))
+    got, want = out
+    assert np.abs(want[2:]).max() > 0 and np.all(want[:2] == 0)
     assert np.max(np.abs(got - want)) <= 1e-4 * np.abs(want).max()
 
 
