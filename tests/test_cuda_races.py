@@ -4,7 +4,8 @@ Each plant breaks the live kernel source by text substitution (the text must sti
 moved source fails here rather than silently testing nothing) and runs it through CudaDevice on the emulation. Run
 blocks one after another, none of these changes a result: a GPU runs the blocks at once and interleaves the warps, so
 only a check of every access sees them. The unplanted kernels run clean on the same inputs, on the generic and on
-Hopper's branch.
+Hopper's branch. sparse_down's old busy-flag race lives in a fixture (tests/cuda_emu/racy_sparse_down.cu), the
+original kept verbatim, so that it stays tested however the live kernel is rewritten.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ PLANTS = {  # name: (module, correct text, planted text, runs, what the detector
     "a barrier only warp 0 reaches in block_sum": (
         "norm", BLOCK_SUM_TAIL, BLOCK_SUM_TAIL.replace("  __syncthreads();", "  if (w == 0) __syncthreads();"),
         "rms_norm", r"deadlock in block \(\d+,0,0\): 32 threads wait at __syncthreads, 0 at a warp operation, "
-        r"224 exited"),
+        r"\d+ exited"),
 }
 
 
