@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile
 
 SUPPORTED_ARCHS = ("llama", "bamboo", "falcon", "opt")
@@ -46,7 +46,7 @@ class ModelConfig:
             raise PinferError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         allowed = FFN_ACTIVATIONS if self.gated else GATELESS_ACTIVATIONS
         if self.ffn_act not in allowed:
-            raise PinferError(f"unknown FFN activation '{self.ffn_act}' for architecture {self.arch} (expected one of "
+            raise PinferError(f"unknown FFN activation {quote(self.ffn_act)} for architecture {self.arch} (expected one of "
                               f"{', '.join(allowed)})")
 
     # What sets the architectures apart, as the runtime needs it (llama.cpp's graphs for llama, falcon; PowerInfer's
@@ -122,7 +122,7 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
     if not arch:
         raise PinferError(f"{f.path}: no general.architecture in metadata; not a model file")
     if arch not in SUPPORTED_ARCHS:
-        raise PinferError(f"{f.path}: architecture '{arch}' is not supported (supported: "
+        raise PinferError(f"{f.path}: architecture {quote(arch)} is not supported (supported: "
                           f"{', '.join(SUPPORTED_ARCHS)})")
 
     def num(template: str, default=None, kind=int):
@@ -160,7 +160,7 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
     rope_scale = 1.0
     scaling = f.arch_get(C.ROPE_SCALING_TYPE)
     if scaling not in (None, "none", "linear"):
-        raise PinferError(f"{f.path}: rope scaling type '{scaling}' is not supported (only linear)")
+        raise PinferError(f"{f.path}: rope scaling type {quote(scaling)} is not supported (only linear)")
     if scaling == "linear" or scaling is None:
         factor = C.ROPE_SCALING_FACTOR if f.arch_get(C.ROPE_SCALING_FACTOR) is not None else C.ROPE_SCALE_LINEAR
         rope_scale = num(factor, 1.0, float)
@@ -170,7 +170,7 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
                           f"supported")
     layout = f.arch_get(C.TENSOR_DATA_LAYOUT)
     if arch == "falcon" and layout not in (None, "jploski"):
-        raise PinferError(f"{f.path}: falcon tensor data layout '{layout}' is not supported (only llama.cpp's "
+        raise PinferError(f"{f.path}: falcon tensor data layout {quote(layout)} is not supported (only llama.cpp's "
                           f"'jploski': attn_qkv as [all q | all k | all v])")
 
     n_ctx = num(C.CONTEXT_LENGTH, 4096)

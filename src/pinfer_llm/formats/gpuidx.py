@@ -24,7 +24,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.formats.writer import write_gguf
 
@@ -77,7 +77,7 @@ def read_gpuidx(path: str | os.PathLike, n_layer: int | None = None,
     f = open_gguf(path)
     where = f"{f.path}"
     if f.architecture != C.GPU_INDEX_ARCH:
-        raise PinferError(f"{where}: not a GPU index (general.architecture is '{f.architecture}', expected "
+        raise PinferError(f"{where}: not a GPU index (general.architecture is {quote(f.architecture)}, expected "
                           f"'{C.GPU_INDEX_ARCH}')")
     vt = f.value_types.get(C.SPLIT_VRAM_CAPACITY, (None, None))[0]
     if vt is None:
@@ -98,10 +98,10 @@ def read_gpuidx(path: str | os.PathLike, n_layer: int | None = None,
         for name, want in ((names[2 * b], C.tensor(C.GPU_IDX, b)), (names[2 * b + 1], C.tensor(C.GPU_BUCKET, b))):
             t = f.header_tensors[name]
             if name != want:
-                raise PinferError(f"{where}: tensor {names.index(name)} is '{name}', expected '{want}' (PowerInfer "
+                raise PinferError(f"{where}: tensor {names.index(name)} is {quote(name)}, expected '{want}' (PowerInfer "
                                   f"takes them by position)")
             if t.ggml_type != GGMLQuantizationType.I32 or len(t.ne) != 1:
-                raise PinferError(f"{where}: '{name}' is {t.type_name} {list(t.ne)}, expected a 1-D I32 tensor")
+                raise PinferError(f"{where}: {quote(name)} is {t.type_name} {list(t.ne)}, expected a 1-D I32 tensor")
         mask = np.array(f.raw(names[2 * b]), dtype=np.int32)
         bucket = np.array(f.raw(names[2 * b + 1]), dtype=np.int32)
         if mask.size and not np.isin(mask, (0, 1)).all():

@@ -47,7 +47,7 @@ import numpy as np
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats import locks
 from pinfer_llm.formats.encoder import encode_header
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, TensorInfo, parse_header, tensor_nbytes
 
 SMALL_TENSOR = 1 << 20  # below this a tensor is copied into every new section and covered by the checksum
@@ -185,12 +185,12 @@ def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot)
     for (name, ne, ggml_type, _), off in zip(h.infos, offsets.tolist(), strict=True):
         nbytes = tensor_nbytes(ne, ggml_type)
         if nbytes is None:
-            raise InvalidSection(f"tensor '{name}' has unknown type {ggml_type}")
+            raise InvalidSection(f"tensor {quote(name)} has unknown type {ggml_type}")
         if off < start or off + nbytes > size:
-            raise InvalidSection(f"tensor '{name}' lies outside the file")
+            raise InvalidSection(f"tensor {quote(name)} lies outside the file")
         if nbytes < SMALL_TENSOR:
             if off < h.data_offset or off + nbytes > end:
-                raise InvalidSection(f"small tensor '{name}' lies outside its section")
+                raise InvalidSection(f"small tensor {quote(name)} lies outside its section")
             small.append(buf[off:off + nbytes])
         tensors[name] = TensorInfo(name, ne, ggml_type, off, nbytes, "section")
     if checksum(slot, buf[slot.offset:h.end], small) != slot.checksum:

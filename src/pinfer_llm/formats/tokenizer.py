@@ -19,7 +19,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -111,7 +111,7 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
                        bool(_get(f, C.TOKENIZER_ADD_SPACE_PREFIX, True)))
         default_add_bos = True
     else:
-        raise PinferError(f"{path}: tokenizer type '{kind}' is not supported (only 'gpt2' BPE and 'llama' "
+        raise PinferError(f"{path}: tokenizer type {quote(kind)} is not supported (only 'gpt2' BPE and 'llama' "
                           f"SentencePiece)")
     special_types = (C.TOKEN_TYPE_CONTROL, C.TOKEN_TYPE_USER_DEFINED)
     specials = [AddedToken(t, special=True, normalized=False)

@@ -23,7 +23,7 @@ import numpy as np
 
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.config import bounded_layers
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.gpuidx import gpuidx_path, write_gpuidx
 from pinfer_llm.formats.header import GGUFFile
 from pinfer_llm.formats.reader import open_gguf
@@ -153,7 +153,7 @@ def _n_layer(f: GGUFFile) -> int:
         if n is None:
             raise PinferError(f"{f.path}: no {key}; not a model or plan file")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise PinferError(f"{f.path}: metadata '{key}' is {str(n)[:40]!r}, expected a layer count; the file is corrupt")
+        raise PinferError(f"{f.path}: metadata '{key}' is {quote(n, 40)}, expected a layer count; the file is corrupt")
     return bounded_layers(f, int(n), key)
 
 

@@ -17,7 +17,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.config import ModelConfig
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import qops
@@ -84,7 +84,7 @@ def check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
     for name, shape in expected_shapes(f, cfg).items():
         got = f.info(name).shape  # raises "missing tensor" with the file name
         if tuple(got) != shape:
-            raise PinferError(f"{f.path}: tensor '{name}' has shape {list(got)}, the metadata implies {list(shape)}; "
+            raise PinferError(f"{f.path}: tensor {quote(name)} has shape {list(got)}, the metadata implies {list(shape)}; "
                               f"the file is inconsistent")
 
 

@@ -16,7 +16,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, tensor_nbytes
 
 # Types pinfer's C++ kernels read in place; every other readable type is dequantised (gguf.quants) to a float copy.
@@ -92,7 +92,7 @@ def check_type(f: GGUFFile, name: str) -> T:
         qt = None
     if qt not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(x.name for x in SUPPORTED_TYPES))
-        raise PinferError(f"{f.path}: tensor '{name}' has type {t.type_name}, which pinfer cannot run "
+        raise PinferError(f"{f.path}: tensor {quote(name)} has type {t.type_name}, which pinfer cannot run "
                           f"(supported: {supported}); requantize the model with llama-quantize")
     return qt
 
@@ -102,7 +102,7 @@ def qweight(f: GGUFFile, name: str) -> QWeight:
     qt = check_type(f, name)
     t = f.info(name)
     if len(t.shape) != 2:
-        raise PinferError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected a matrix; the file is "
+        raise PinferError(f"{f.path}: tensor {quote(name)} has shape {list(t.shape)}, expected a matrix; the file is "
                           f"inconsistent")
     rows, cols = t.shape
     row_bytes = tensor_nbytes((cols,), int(qt))
