@@ -46,8 +46,8 @@ class ModelConfig:
             raise PinferError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         allowed = FFN_ACTIVATIONS if self.gated else GATELESS_ACTIVATIONS
         if self.ffn_act not in allowed:
-            raise PinferError(f"unknown FFN activation {quote(self.ffn_act)} for architecture {self.arch} (expected one of "
-                              f"{', '.join(allowed)})")
+            raise PinferError(f"unknown FFN activation {quote(self.ffn_act)} for architecture {self.arch} "
+                              f"(expected one of {', '.join(allowed)})")
 
     # What sets the architectures apart, as the runtime needs it (llama.cpp's graphs for llama, falcon; PowerInfer's
     # for opt, as read in its llama.cpp).

@@ -98,8 +98,8 @@ def read_gpuidx(path: str | os.PathLike, n_layer: int | None = None,
         for name, want in ((names[2 * b], C.tensor(C.GPU_IDX, b)), (names[2 * b + 1], C.tensor(C.GPU_BUCKET, b))):
             t = f.header_tensors[name]
             if name != want:
-                raise PinferError(f"{where}: tensor {names.index(name)} is {quote(name)}, expected '{want}' (PowerInfer "
-                                  f"takes them by position)")
+                raise PinferError(f"{where}: tensor {names.index(name)} is {quote(name)}, expected '{want}' "
+                                  f"(PowerInfer takes them by position)")
             if t.ggml_type != GGMLQuantizationType.I32 or len(t.ne) != 1:
                 raise PinferError(f"{where}: {quote(name)} is {t.type_name} {list(t.ne)}, expected a 1-D I32 tensor")
         mask = np.array(f.raw(names[2 * b]), dtype=np.int32)

@@ -378,8 +378,8 @@ def tensor_infos(h: Header, path: Path, powerinfer: bool, legacy: list[str], siz
                 raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (rows of {ne[0] if ne else 0} "
                                   f"elements are not whole {type_name(ggml_type)} blocks)")
         if offset % h.alignment:
-            raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (offset {offset} is not a multiple of the "
-                              f"alignment {h.alignment})")
+            raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (offset {offset} is not a multiple of "
+                              f"the alignment {h.alignment})")
         t = TensorInfo(name, ne, ggml_type, h.data_offset + offset, nbytes, part)
         if t.offset + nbytes > size:
             raise PinferError(f"{path}: truncated file: tensor {quote(name)} ends at byte {t.offset + nbytes} but the "

@@ -84,8 +84,8 @@ def check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
     for name, shape in expected_shapes(f, cfg).items():
         got = f.info(name).shape  # raises "missing tensor" with the file name
         if tuple(got) != shape:
-            raise PinferError(f"{f.path}: tensor {quote(name)} has shape {list(got)}, the metadata implies {list(shape)}; "
-                              f"the file is inconsistent")
+            raise PinferError(f"{f.path}: tensor {quote(name)} has shape {list(got)}, the metadata implies "
+                              f"{list(shape)}; the file is inconsistent")
 
 
 FFN_MODES = ("dense", "sparse", "oracle")
