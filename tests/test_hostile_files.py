@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -22,18 +23,19 @@ runner = CliRunner()
 MAX_LINE = 400  # a one-line error with a long temporary path still fits in this
 
 
-def tool(name: str, path: Path, *args) -> tuple[int, str]:
-    """Run pi-run / pi-plan show / pi-profile on `path` in-process: (exit code, stdout and stderr)."""
+def tool(name: str, path: Path, *args, in_place: bool = False) -> tuple[int, str]:
+    """Run pi-run / pi-plan show / pi-profile on `path` in-process: (exit code, stderr then stdout)."""
     if name == "run":
         app, argv = run_cli.app, [str(path), "-p", "hello", "-n", "3", "--temp", "0", "-t", "1", *args]
     elif name == "show":
         app, argv = plan_cli.app, ["show", str(path), *args]
     else:
+        out = [] if in_place else ["-o", str(path.with_suffix(".out.gguf"))]
         app, argv = profile_cli.app, [str(path), "--tokens", "40", "--ctx", "20", "--sparsity", "0.3", "-t", "1",
-                                       "-o", str(path.with_suffix(".out.gguf")), *args]
+                                       *out, *args]
     res = runner.invoke(app, [str(a) for a in argv])
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
-    return res.exit_code, res.output
+    return res.exit_code, res.stderr + res.stdout  # apart: generated text does not end in a newline
 
 
 def one_line(code: int, out: str, prog: str, *needles: str) -> str:
@@ -91,3 +93,83 @@ def test_counts_beyond_what_the_header_bytes_hold_are_refused_at_once(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b)
     one_line(*tool("run", tmp_path / "m.gguf"), "pi-run", f"claims {len(b) // 24} tensors and")
 
+
+
+def _profiled(path: Path) -> Path:
+    """A tiny model with what pi-profile stores (counts, tokens, CATS thresholds), written the way it writes them."""
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(path)
+    update_model(path, set_metadata={C.ACT_TOKENS: np.uint64(40), C.CATS_THRESHOLD: np.full(2, 0.1, np.float32),
+                                     C.CATS_SPARSITY: np.float32(0.3)},
+                 set_tensors={C.tensor(C.ACT_COUNTS, i): np.full(160, 10, np.float32) for i in range(2)})
+    return path
+
+
+def warnings_of(out: str, prog: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith(f"{prog}: warning:")]
+
+
+@pytest.mark.parametrize("cut", [40, 70, 4000])
+def test_a_truncated_pinfer_directory_leaves_the_model_loadable(tmp_path, cut):
+    """The file cut inside pinfer's directory (every model byte intact): all three tools failed with "internal
+    error: unpack_from requires a buffer of at least ...". The model loads with one line saying why pinfer's
+    additions were ignored, and the next write makes a new directory."""
+    from pinfer_llm.formats import section as S
+    from pinfer_llm.formats.reader import open_gguf
+
+    p = _profiled(tmp_path / "m.gguf")
+    d = S.dir_offset(open_gguf(p).data_end)
+    with open(p, "r+b") as fh:
+        fh.truncate(d + cut)
+    why = f"its directory is cut short: {cut} of 4096 bytes, the file was truncated"
+    code, out = tool("run", p)
+    assert code == 0 and [w.split(": ", 2)[2] for w in warnings_of(out, "pi-run")] == [
+        f"{p}: pinfer's section (statistics, predictors, plan) was ignored ({why}); the model itself is intact and "
+        f"loads without it"], out
+    code, out = tool("show", p)
+    assert len(warnings_of(out, "pi-plan")) == 1 and why in out and "no placement plan" in out and code == 1
+    code, out = tool("profile", p, in_place=True)  # a new directory and section over the cut one
+    assert code == 0 and len(warnings_of(out, "pi-profile")) == 1, out
+    f = open_gguf(p)
+    assert f.section is not None and not f.warnings and f.get("pinfer.activation.tokens") > 0
+
+
+@pytest.mark.parametrize("key,value,want", [
+    ("pinfer.activation.tokens", "abc", "expected a non-negative integer"),
+    ("powerinfer.sparse_threshold", "0.5", "expected a finite number"),
+    ("powerinfer.sparse_threshold", np.float32(np.nan), "expected a finite number"),
+    ("pinfer.predictor.threshold", np.array([0.1, np.inf], np.float32), "expected an array of finite numbers"),
+    ("pinfer.cats.threshold", np.array([np.nan, 0.1], np.float32), "expected an array of finite numbers"),
+    ("pinfer.plan.gpus", 3, "expected a non-empty list of names"),
+    ("pinfer.plan.gpus", [], "expected a non-empty list of names"),
+    ("pinfer.plan.attn_gpu", np.array([-1, 0], np.int8), "expected an array of counts"),
+])
+def test_section_values_no_writer_makes_are_ignored_with_one_line(tmp_path, key, value, want):
+    """A section with a valid checksum and a value pinfer never writes (a string threshold, NaN thresholds, a plan
+    for no GPU): internal errors far from the file, or silently different tokens. The section is ignored as a whole,
+    with one line naming the key; the model runs as without it."""
+    from pinfer_llm.formats.update import update_model
+
+    p = _profiled(tmp_path / "m.gguf")
+    update_model(p, set_metadata={key: value})
+    code, out = tool("run", p, "--json")
+    import json
+
+    res = json.loads(out.splitlines()[-1])
+    assert code == 0 and len(res["warnings"]) == 1 and f"metadata '{key}' is" in res["warnings"][0], out
+    assert want in res["warnings"][0]
+    write_tiny(tmp_path / "plain.gguf")
+    assert res["tokens"] == json.loads(tool("run", tmp_path / "plain.gguf", "--json")[1].splitlines()[-1])["tokens"]
+
+
+def test_the_same_value_in_the_models_own_header_is_an_error(tmp_path):
+    from pinfer_llm.formats.model_writer import write_llama
+    from tests.tiny import random_weights, tiny_config
+
+    cfg = tiny_config()
+    write_llama(tmp_path / "m.gguf", cfg, random_weights(cfg),
+                extra_metadata={"powerinfer.sparse_threshold": np.float32(np.nan)})
+    one_line(*tool("run", tmp_path / "m.gguf"), "pi-run",
+             "metadata 'powerinfer.sparse_threshold' is float 'nan', expected a finite number; the file is corrupt")

@@ -70,8 +70,19 @@ def warn_ctx(m, ctx_size: int | None, prog: str) -> None:
 
 
 def print_warnings(m, prog: str) -> None:
-    """What loading could not do as asked (a GPU setting without a GPU), one line each."""
-    for w in m.warnings:
+    """What loading could not do as asked (a GPU setting without a GPU) and what the file could not give (a damaged
+    pinfer section), one line each."""
+    for w in all_warnings(m):
+        print(f"{prog}: warning: {w}", file=sys.stderr)
+
+
+def all_warnings(m) -> list[str]:
+    return [*m.file.warnings, *m.warnings]
+
+
+def print_file_warnings(f, prog: str) -> None:
+    """A file's own warnings (formats.reader: a pinfer section ignored, old type ids), one line each."""
+    for w in f.warnings:
         print(f"{prog}: warning: {w}", file=sys.stderr)
 
 

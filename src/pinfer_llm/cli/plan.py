@@ -24,9 +24,9 @@ import typer
 from rich.console import Console
 
 from pinfer_llm.cli import interrupts_raise
-from pinfer_llm.cli.options import ModelOpt, pick_model, version_option
+from pinfer_llm.cli.options import ModelOpt, pick_model, print_file_warnings, version_option
 from pinfer_llm.formats.errors import PinferError, report
-from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats import reader
 from pinfer_llm.planner import report as out
 from pinfer_llm.planner.activations import load_activations
 from pinfer_llm.planner.baselines import Baseline, all_baselines
@@ -60,6 +60,13 @@ def _group(version: version_option(PROG) = False) -> None:
 
 
 # --- plain functions ----------------------------------------------------------------------------------------------
+
+def open_gguf(path):
+    """The model opened, its warnings (a damaged pinfer section ignored) said once on stderr."""
+    f = reader.open_gguf(path)
+    print_file_warnings(f, PROG)
+    return f
+
 
 @dataclass
 class PlanResult:

@@ -24,7 +24,7 @@ import numpy as np
 import typer
 
 from pinfer_llm.cli import interrupts_raise
-from pinfer_llm.cli.options import FfnAct, ModelArg, ModelOpt, pick_model, version_option
+from pinfer_llm.cli.options import FfnAct, ModelArg, ModelOpt, pick_model, print_file_warnings, version_option
 from pinfer_llm.formats.errors import PinferError, report
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
@@ -133,6 +133,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr))
     path = resolve_model_path(model)
     f = open_gguf(path)
+    print_file_warnings(f, "pi-profile")
     if not o["export_activations"]:
         check_writable(f, o["out"])  # before minutes of profiling, not after
     cfg = config_from_gguf(f, ffn_act=o["ffn_act"])

@@ -37,6 +37,7 @@ from pinfer_llm.cli.options import (
     PlacementOpt,
     Sparse,
     VramBudget,
+    all_warnings,
     checked_threads,
     ffn_mode,
     pick_model,
@@ -269,7 +270,7 @@ def run(
                               "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
                               "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status(),
                               "kv_type": m.kv_type, "ctx_size": m.ctx_size, "notices": m.notices,
-                              "warnings": m.warnings, "hybrid": m.hybrid_report()},
+                              "warnings": all_warnings(m), "hybrid": m.hybrid_report()},
                              ensure_ascii=False))
             return
         if what == "plain":

@@ -12,6 +12,7 @@ import weakref
 from pathlib import Path
 
 from pinfer_llm.formats import constants as C
+from pinfer_llm.formats import schema
 from pinfer_llm.formats import section as S
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.formats.header import GGUFFile, data_end, parse_header, tensor_infos
@@ -72,6 +73,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 def parse_file(buf, path: Path, size: int) -> GGUFFile:
     """The header alone: metadata, tensor infos, where the data ends and what follows it."""
     h = parse_header(buf, path, 0, size)
+    bad = schema.problems(h.metadata)
+    if bad:
+        raise PinferError(f"{path}: {bad[0]}; the file is corrupt")
     legacy: list[str] = []
     powerinfer = h.magic == C.PWRI_MAGIC
     tensors = tensor_infos(h, path, powerinfer, legacy, size)

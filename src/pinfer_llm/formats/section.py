@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats import locks
+from pinfer_llm.formats import locks, schema
 from pinfer_llm.formats.encoder import encode_header
 from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, TensorInfo, parse_header, tensor_nbytes
@@ -152,6 +152,18 @@ def read_slots(buf, d: int) -> list[Slot]:
     return [Slot(*_SLOT.unpack_from(buf, d + off)) for off in SLOT_OFFSETS]
 
 
+def directory_intact(size: int, data_end: int) -> bool:
+    """Whether the whole directory is inside the file (a file cut inside it has a magic but no slots to read)."""
+    return size >= dir_offset(data_end) + C.SECTION_DIR_SIZE
+
+
+def ignored(path, why: str, newer: bool = False) -> str:
+    """The one line a reader gives when pinfer's section cannot be used: the model loads without it."""
+    what = "the newest pinfer section" if newer else "pinfer's section (statistics, predictors, plan)"
+    rest = "an older one is used" if newer else "the model itself is intact and loads without it"
+    return f"{path}: {what} was ignored ({why}); {rest}"
+
+
 # --- reading a section --------------------------------------------------------------------------------------------
 
 class InvalidSection(Exception):
@@ -196,6 +208,9 @@ def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot)
     if checksum(slot, buf[slot.offset:h.end], small) != slot.checksum:
         raise InvalidSection(f"slot {index}: checksum mismatch")
     meta = {k: v for k, v in h.metadata.items() if k not in C.SECTION_KEYS}
+    bad = schema.problems(meta)
+    if bad:  # a valid checksum over a value no pinfer writer makes (a hand-edited file): none of it is trusted
+        raise InvalidSection(bad[0])
     types = {k: v for k, v in h.value_types.items() if k not in C.SECTION_KEYS}
     return Section(index, slot.generation, slot.offset, slot.nbytes, meta, types, tensors, list(hidden_keys),
                    list(hidden_tensors))
@@ -228,6 +243,10 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
     or none, as if the newest were broken."""
     d = dir_offset(f.data_end)
     start = d + C.SECTION_DIR_SIZE
+    if not directory_intact(len(buf), f.data_end):
+        f.warnings.append(ignored(f.path, f"its directory is cut short: {len(buf) - d} of {C.SECTION_DIR_SIZE} "
+                                          f"bytes, the file was truncated"))
+        return
     own = None  # the map made here when the file grew after `buf` was mapped
 
     def slots_raw() -> bytes:
@@ -270,7 +289,7 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
                 _merge(f, sec)
                 f.pinned = blob + more
                 if problems:
-                    f.warnings.append(f"{f.path}: newer pinfer section ignored ({'; '.join(problems)})")
+                    f.warnings.append(ignored(f.path, "; ".join(problems), newer=True))
                 return
             if grown:
                 if own is not None:
@@ -279,7 +298,7 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
                 continue
             if not retry:
                 if problems:
-                    f.warnings.append(f"{f.path}: pinfer section ignored ({'; '.join(problems)})")
+                    f.warnings.append(ignored(f.path, "; ".join(problems)))
                 return
             time.sleep(min(0.001 * attempt, 0.05))
         raise PinferError(f"{f.path}: the file's pinfer section keeps changing while it is read; try again")

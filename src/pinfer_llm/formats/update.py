@@ -191,7 +191,8 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
         if f0.trailing == "unknown":
             raise PinferError(f"{path} has tensors of a type pinfer does not know, so it cannot tell where the "
                               f"model ends; write a copy with -o OUT")
-        have_dir = f0.trailing == "section"
+        # a directory cut short (a truncated file) holds no slot to keep: it is written again, as on a first write
+        have_dir = f0.trailing == "section" and S.directory_intact(size, f0.data_end)
         current, _ = S.current_section(buf, path, size, f0.data_end) if have_dir else (None, [])
         raw_slots = S.read_slots(buf, S.dir_offset(f0.data_end)) if have_dir else [S.Slot(0, 0, 0, 0)] * 2
         content = merged_content(f0, current, **changes)
