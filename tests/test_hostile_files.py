@@ -173,3 +173,23 @@ def test_the_same_value_in_the_models_own_header_is_an_error(tmp_path):
                 extra_metadata={"powerinfer.sparse_threshold": np.float32(np.nan)})
     one_line(*tool("run", tmp_path / "m.gguf"), "pi-run",
              "metadata 'powerinfer.sparse_threshold' is float 'nan', expected a finite number; the file is corrupt")
+
+
+@pytest.mark.parametrize("key,value,want", [
+    ("tokenizer.ggml.tokens", ["a", "b", "c"], "tokenizer.ggml.token_type holds 300 int32 values for 3 tokens"),
+    ("tokenizer.ggml.tokens", "abc", "tokenizer.ggml.tokens is str, expected a non-empty list of strings"),
+    ("tokenizer.ggml.token_type", np.zeros(5, np.int32), "token_type holds 5 int32 values for 300 tokens"),
+    ("tokenizer.ggml.merges", "a b", "tokenizer.ggml.merges is str, expected a list of strings"),
+    ("tokenizer.ggml.eos_token_id", 300, "tokenizer.ggml.eos_token_id is '300', not the id of one of its 300"),
+    ("tokenizer.chat_template", 7, "tokenizer.chat_template is int, expected a string"),
+    ("llama.vocab_size", 301, "the tokenizer has 300 tokens but llama.vocab_size is 301"),
+])
+def test_a_damaged_vocabulary_is_one_line(tmp_path, key, value, want):
+    """A token list shorter than the vocabulary, or a string, gave "internal error: zip() argument 2 is shorter";
+    every tokenizer key is checked against the others before the library sees it."""
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(tmp_path / "m.gguf")
+    drop = [] if key == "llama.vocab_size" else ["llama.vocab_size"]  # the token count is the vocabulary's size
+    update_model(tmp_path / "m.gguf", set_metadata={key: value}, drop_keys=drop)
+    one_line(*tool("run", tmp_path / "m.gguf"), "pi-run", want)

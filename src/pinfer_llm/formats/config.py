@@ -155,6 +155,10 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
         vocab = len(tokens) if isinstance(tokens, list) else f.info(C.TOKEN_EMBD).shape[0]
     else:
         vocab = num(C.VOCAB_SIZE)
+        tokens = f.get(C.TOKENIZER_TOKENS)
+        if isinstance(tokens, list) and len(tokens) != vocab:  # llama.cpp's n_vocab is the token count
+            raise PinferError(f"{f.path}: the tokenizer has {len(tokens)} tokens but {arch}.vocab_size is {vocab}; "
+                              f"the file is inconsistent")
     head_dim = num(C.KEY_LENGTH, max(n_embd // n_head, 1))
 
     rope_scale = 1.0

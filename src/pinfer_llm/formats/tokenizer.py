@@ -99,6 +99,7 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
                           f"llama.cpp's convert_hf_to_gguf.py")
     types = _get(f, C.TOKENIZER_TOKEN_TYPE)
     types = np.asarray(types) if types is not None else np.full(len(tokens), C.TOKEN_TYPE_NORMAL)
+    check_vocabulary(path, f, kind, tokens, types)
     if kind == "gpt2":
         tok = _library(path, _bpe_tokenizer, tokens, _get(f, C.TOKENIZER_MERGES, []),
                        str(_get(f, C.TOKENIZER_PRE, "default")))
@@ -127,6 +128,36 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
     return GGUFTokenizer(tok, None if bos is None else int(bos), None if eos is None else int(eos),
                          bool(_get(f, C.TOKENIZER_ADD_BOS, default_add_bos)), bool(_get(f, C.TOKENIZER_ADD_EOS, False)),
                          len(tokens), _get(f, C.TOKENIZER_CHAT_TEMPLATE), stop, list(tokens))
+
+
+def check_vocabulary(path, f: GGUFFile | dict, kind: Any, tokens: Any, types: np.ndarray) -> None:
+    """The tokenizer.ggml.* keys hold what a converter writes: a list of strings, per-token arrays of its length,
+    special ids inside it. A damaged one otherwise surfaced as an internal error (a zip() of unequal lengths)."""
+    def bad(what: str):
+        raise PinferError(f"{path}: {what}; the file's tokenizer.ggml.* metadata is damaged")
+
+    if not isinstance(kind, str):
+        bad(f"{C.TOKENIZER_MODEL} is {type(kind).__name__}, expected a string")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        bad(f"{C.TOKENIZER_TOKENS} is {type(tokens).__name__}, expected a non-empty list of strings")
+    if types.ndim != 1 or types.dtype.kind not in "iu" or len(types) != len(tokens):
+        bad(f"{C.TOKENIZER_TOKEN_TYPE} holds {types.size} {types.dtype} values for {len(tokens)} tokens")
+    scores = _get(f, C.TOKENIZER_SCORES)
+    if scores is not None and (not isinstance(scores, np.ndarray) or scores.dtype.kind not in "fiu"
+                               or scores.shape != (len(tokens),)):
+        bad(f"{C.TOKENIZER_SCORES} is not one number per token")
+    merges = _get(f, C.TOKENIZER_MERGES, [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        bad(f"{C.TOKENIZER_MERGES} is {type(merges).__name__}, expected a list of strings")
+    for key in (C.TOKENIZER_BOS_ID, C.TOKENIZER_EOS_ID, C.TOKENIZER_EOT_ID):
+        i = _get(f, key)
+        if i is not None and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                              or not 0 <= i < len(tokens)):
+            bad(f"{key} is {quote(i, 40)}, not the id of one of its {len(tokens)} tokens")
+    for key in (C.TOKENIZER_PRE, C.TOKENIZER_CHAT_TEMPLATE):
+        v = _get(f, key)
+        if v is not None and not isinstance(v, str):
+            bad(f"{key} is {type(v).__name__}, expected a string")
 
 
 def _library(path, build, *args) -> Tokenizer:
