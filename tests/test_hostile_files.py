@@ -193,3 +193,55 @@ def test_a_damaged_vocabulary_is_one_line(tmp_path, key, value, want):
     drop = [] if key == "llama.vocab_size" else ["llama.vocab_size"]  # the token count is the vocabulary's size
     update_model(tmp_path / "m.gguf", set_metadata={key: value}, drop_keys=drop)
     one_line(*tool("run", tmp_path / "m.gguf"), "pi-run", want)
+
+
+TEMPLATE_CASES = [
+    ("{{ ''.__class__.__mro__ }}", "SecurityError: access to attribute '__class__'"),
+    ("{{ foo.bar }}", "UndefinedError: 'foo' is undefined"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+    ("{{ 'a' * 10**10 }}", "SecurityError: a sequence of 10000000000 items is too large"),
+    ("{{ [1] * 10**9 }}", "SecurityError: a sequence of 1000000000 items is too large"),
+    ("{{ 10 ** 10000000000 }}", "SecurityError: 10 ** 10000000000 is too large"),
+    ("{{ (10 ** 400) | float }}", "OverflowError: int too large to convert to float"),
+    ("{% for", "does not parse (TemplateSyntaxError"),
+]
+
+
+def test_chat_templates_that_fail_are_one_line_and_bounded():
+    """A chat template is a program from the file: SecurityError, UndefinedError, OverflowError came out as internal
+    errors, and `'a' * 10**10` would take the machine's memory. In a subprocess with 3 GB of address space, so that
+    a regression fails instead of taking the machine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, json, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from pinfer_llm.formats.model_writer import byte_vocab\n"
+        "from pinfer_llm.formats.tokenizer import load_tokenizer\n"
+        "from pinfer_llm.formats.errors import PinferError\n"
+        "out = []\n"
+        "for t in json.loads(sys.argv[1]):\n"
+        "    tok = load_tokenizer(byte_vocab(300) | {'tokenizer.chat_template': t})\n"
+        "    try:\n"
+        "        tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
+        "        out.append('rendered')\n"
+        "    except PinferError as e:\n"
+        "        out.append(str(e))\n"
+        "print(json.dumps(out))\n")
+    import json
+
+    r = subprocess.run([sys.executable, "-c", code, json.dumps([t for t, _ in TEMPLATE_CASES])], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for msg, (_, want) in zip(json.loads(r.stdout), TEMPLATE_CASES, strict=True):
+        assert want in msg and "run without --chat" in msg and len(msg) < MAX_LINE, msg
+
+
+def test_a_failing_chat_template_under_chat_is_one_line(tmp_path):
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(tmp_path / "m.gguf")
+    update_model(tmp_path / "m.gguf", set_metadata={"tokenizer.chat_template": "{{ messages[0].content.x.y }}"})
+    one_line(*tool("run", tmp_path / "m.gguf", "--chat"), "pi-run", "chat template fails on these messages",
+             "UndefinedError")

@@ -12,6 +12,7 @@ parse_special), so chat templates that produce "<|im_start|>" tokenize correctly
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,22 +68,59 @@ class GGUFTokenizer:
         if not self.chat_template:
             raise PinferError("this model has no tokenizer.chat_template; run without --chat")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
-            raise PinferError(f"chat template: {msg}")
+            raise PinferError(f"chat template: {quote(msg, 200)}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        env = _template_environment()(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda v, indent=None: __import__("json").dumps(v, indent=indent, ensure_ascii=False)
         try:
             template = env.from_string(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise PinferError(f"the model's chat template does not parse ({e}); run without --chat") from None
+        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+            raise PinferError(f"the model's chat template does not parse ({_why(e)}); run without --chat") from None
         tokens = self.tokens
         special = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else ""  # noqa: E731
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+        except PinferError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template is a program from the file: any failure is the file's
+            raise PinferError(f"the model's chat template fails on these messages ({_why(e)}); run without "
+                              f"--chat, or fix tokenizer.chat_template") from None
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {quote(str(e), 200)[1:-1]}"
+
+
+_TEMPLATE_SIZE = 1 << 24  # characters (or items) a template may build with * or produce with **
+
+
+@functools.cache
+def _template_environment():
+    """jinja2's immutable sandbox, which refuses attribute tricks (SecurityError) and bounds range(), with `*` and
+    `**` bounded too: `'a' * 10**10` in a template would otherwise take the machine's memory before anything failed."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Environment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                n, seq = (right, left) if isinstance(left, (str, list, tuple)) else (left, right)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _TEMPLATE_SIZE:
+                    raise SecurityError(f"a sequence of {len(seq) * n} items is too large")
+            elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 1 and \
+                    right * max(abs(left).bit_length(), 1) > 8 * _TEMPLATE_SIZE:
+                raise SecurityError(f"{left} ** {right} is too large")
+            return super().call_binop(context, operator, left, right)
+
+    return Environment
+
+
 
 
 def _get(f: GGUFFile | dict, key: str, default: Any = None) -> Any:
