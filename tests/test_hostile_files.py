@@ -245,3 +245,65 @@ def test_a_failing_chat_template_under_chat_is_one_line(tmp_path):
     update_model(tmp_path / "m.gguf", set_metadata={"tokenizer.chat_template": "{{ messages[0].content.x.y }}"})
     one_line(*tool("run", tmp_path / "m.gguf", "--chat"), "pi-run", "chat template fails on these messages",
              "UndefinedError")
+
+
+def _q4_1_model(path: Path, nan_scales: int = 0) -> Path:
+    """The tiny model with its gates in Q4_1 (as SmolLM2 stores them), `nan_scales` of layer 0's block scales NaN."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType as T
+
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.encoder import RawTensor
+    from pinfer_llm.formats.model_writer import write_llama
+    from tests.tiny import random_weights, tiny_config
+
+    cfg = tiny_config()
+    w = random_weights(cfg)
+    for i in range(cfg.n_layer):
+        name = C.tensor(C.FFN_GATE, i)
+        q = quants.quantize(w[name], T.Q4_1)  # [n_ff, 2 blocks of 20 bytes]
+        if i == 0 and nan_scales:
+            blocks = q.reshape(-1, 20)
+            rows = np.random.default_rng(0).choice(len(blocks), nan_scales, replace=False)
+            blocks[rows, 0:2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+        w[name] = RawTensor(q, T.Q4_1, w[name].shape)
+    write_llama(path, cfg, w)
+    return path
+
+
+@pytest.mark.parametrize("which", ["run", "profile"])
+def test_nan_block_scales_are_refused_where_the_weights_enter(tmp_path, which):
+    """NaN in five Q4_1 scales of blk.0.ffn_gate: pi-run printed finite garbage ("thelessthelessthe...") and
+    pi-profile stored sparsity 1.000 and a NaN threshold, exit 0. Every block scale is checked at load."""
+    assert tool(which, _q4_1_model(tmp_path / "ok.gguf"))[0] == 0
+    one_line(*tool(which, _q4_1_model(tmp_path / "m.gguf", nan_scales=5)), PROG[which],
+             "tensor 'blk.0.ffn_gate.weight' holds values that are not finite (NaN or inf)")
+
+
+def test_a_nan_norm_weight_is_refused(tmp_path):
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(tmp_path / "m.gguf")
+    norm = np.ones(64, np.float32)
+    norm[7] = np.inf
+    update_model(tmp_path / "m.gguf", set_tensors={C.tensor(C.FFN_NORM, 1): norm})
+    one_line(*tool("profile", tmp_path / "m.gguf"), "pi-profile", "'blk.1.ffn_norm.weight' holds values that are not "
+             "finite")
+
+
+@pytest.mark.parametrize("damage", ["fc1 width", "fc2 rows", "nan fc2"])
+def test_predictors_that_do_not_fit_or_hold_nan_are_one_line(tmp_path, damage):
+    """In the section: fc1/fc2 of the wrong shape were internal errors; NaN in a predictor silently changed which
+    neurons ran."""
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(tmp_path / "m.gguf", powerinfer=True)  # predictors of rank 16: fc1 [16, 64], fc2 [160, 16]
+    rng = np.random.default_rng(0)
+    bad = {"fc1 width": (C.PRED_FC1, rng.standard_normal((16, 32))),
+           "fc2 rows": (C.PRED_FC2, rng.standard_normal((80, 16))),
+           "nan fc2": (C.PRED_FC2, np.where(np.eye(160, 16) > 0, np.nan, 0.1))}[damage]
+    update_model(tmp_path / "m.gguf", set_tensors={C.tensor(bad[0], 1): bad[1].astype(np.float16)})
+    want = "holds values that are not finite" if damage == "nan fc2" else "the predictor of layer 1 has fc1"
+    one_line(*tool("run", tmp_path / "m.gguf", "--sparse"), "pi-run", want)

@@ -25,8 +25,8 @@ from rich.console import Console
 
 from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import ModelOpt, pick_model, print_file_warnings, version_option
-from pinfer_llm.formats.errors import PinferError, report
 from pinfer_llm.formats import reader
+from pinfer_llm.formats.errors import PinferError, report
 from pinfer_llm.planner import report as out
 from pinfer_llm.planner.activations import load_activations
 from pinfer_llm.planner.baselines import Baseline, all_baselines
