@@ -307,3 +307,40 @@ def test_predictors_that_do_not_fit_or_hold_nan_are_one_line(tmp_path, damage):
     update_model(tmp_path / "m.gguf", set_tensors={C.tensor(bad[0], 1): bad[1].astype(np.float16)})
     want = "holds values that are not finite" if damage == "nan fc2" else "the predictor of layer 1 has fc1"
     one_line(*tool("run", tmp_path / "m.gguf", "--sparse"), "pi-run", want)
+
+
+def _set_offset(path: Path, tensor: str, offset: int | None = None, swap_with: str | None = None) -> Path:
+    from pinfer_llm.formats.reader import open_gguf
+
+    f = open_gguf(path)
+    b = bytearray(path.read_bytes())
+
+    def at(name):  # the u64 offset field: after the name, n_dims, ne and type
+        i = b.find(name.encode(), 0, f.data_offset) + len(name)
+        n_dims = struct.unpack_from("<I", b, i)[0]
+        return i + 4 + 8 * n_dims + 4
+
+    a = at(tensor)
+    if swap_with is not None:
+        o = at(swap_with)
+        b[a:a + 8], b[o:o + 8] = b[o:o + 8], b[a:a + 8]
+    else:
+        struct.pack_into("<Q", b, a, offset)
+    out = path.with_name("m.gguf")
+    out.write_bytes(b)
+    return out
+
+
+@pytest.mark.parametrize("how", ["offset 0", "swapped", "overlapping"])
+def test_tensor_data_out_of_order_or_overlapping_is_refused(tmp_path, how):
+    """blk.0.ffn_up.weight's offset set to 0 (its data is then token_embd's bytes) was accepted and run; ggml's
+    loader refuses any tensor whose data does not start where the one before it ends (padded to the alignment)."""
+    write_tiny(tmp_path / "t.gguf")
+    p = tmp_path / "t.gguf"
+    if how == "offset 0":
+        m = _set_offset(p, "blk.0.ffn_up.weight", 0)
+    elif how == "swapped":
+        m = _set_offset(p, "blk.0.ffn_up.weight", swap_with="blk.0.ffn_gate.weight")
+    else:
+        m = _set_offset(p, "blk.0.ffn_up.weight", 32)  # aligned, inside the tensor before it
+    one_line(*tool("run", m), "pi-run", "ggml takes tensor data only in order, each padded to the alignment 32")

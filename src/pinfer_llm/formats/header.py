@@ -364,8 +364,11 @@ def resolve_type(stored: int, powerinfer: bool, name: str, path: Path, legacy: l
 
 def tensor_infos(h: Header, path: Path, powerinfer: bool, legacy: list[str], size: int,
                  part: str = "header") -> dict[str, TensorInfo]:
-    """Header tensor infos with absolute offsets and sizes, each checked against the file's size."""
+    """Header tensor infos with absolute offsets and sizes, each checked against the file's size and laid out as
+    ggml's loader takes them: in order, each tensor's data right after the one before, padded to the alignment.
+    Overlapping or swapped data (an offset set to 0) was read as another tensor's bytes."""
     tensors: dict[str, TensorInfo] = {}
+    expected: int | None = 0  # where the next tensor's data must start (None after one of unknown size)
     for name, ne, stored, offset in h.infos:
         ggml_type = resolve_type(stored, powerinfer, name, path, legacy)
         nbytes = tensor_nbytes(ne, ggml_type)
@@ -380,6 +383,14 @@ def tensor_infos(h: Header, path: Path, powerinfer: bool, legacy: list[str], siz
         if offset % h.alignment:
             raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (offset {offset} is not a multiple of "
                               f"the alignment {h.alignment})")
+        if expected is not None and offset != expected:
+            raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (its data is at offset {offset}, where "
+                              f"the tensors before it end at {expected}: ggml takes tensor data only in order, each "
+                              f"padded to the alignment {h.alignment})")
+        if tensor_nbytes(ne, ggml_type) is None:
+            expected = None  # a type of unknown size: where the next tensor starts cannot be told
+        elif expected is not None:
+            expected += -(-nbytes // h.alignment) * h.alignment
         t = TensorInfo(name, ne, ggml_type, h.data_offset + offset, nbytes, part)
         if t.offset + nbytes > size:
             raise PinferError(f"{path}: truncated file: tensor {quote(name)} ends at byte {t.offset + nbytes} but the "
