@@ -24,7 +24,15 @@ import typer
 from rich.console import Console
 
 from pinfer_llm.cli import interrupts_raise
-from pinfer_llm.cli.options import ModelOpt, pick_model, print_file_warnings, version_option
+from pinfer_llm.cli.options import (
+    SEED_MAX,
+    ModelOpt,
+    at_least,
+    pick_model,
+    positive,
+    print_file_warnings,
+    version_option,
+)
 from pinfer_llm.formats import reader
 from pinfer_llm.formats.errors import PinferError, report
 from pinfer_llm.planner import report as out
@@ -212,6 +220,14 @@ def _status(enabled: bool):
     return status
 
 
+MAX_CORES = 4096  # more is a typo: 10^9 cores made libgomp abort allocating 216 GB for its thread pool
+
+
+def _solve_options(time_limit: float, act_tokens: int | None) -> None:
+    positive("--time-limit", time_limit)
+    at_least("--act-tokens", act_tokens, 1)
+
+
 GpuOpt = Annotated[list[str] | None, typer.Option("--gpu", help="GPU from the table (repeat for several GPUs in "
                                                                     "one host); see `pi-plan gpus`")]
 VramOpt = Annotated[float | None, typer.Option("--vram-budget", help="VRAM per GPU for the model, GiB "
@@ -243,6 +259,10 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="traceback on 
 
 
 def _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw_file, calibration) -> dict:
+    for name, value in (("--vram-budget", vram_budget), ("--pcie-bw", pcie_bw), ("--cpu-bw", cpu_bw),
+                        ("--host-ram", host_ram)):
+        positive(name, value)
+    at_least("--cpu-cores", cpu_cores, 1, MAX_CORES)
     return dict(vram_budget_gib=vram_budget, pcie_bw_gbs=pcie_bw, cpu_cores=cpu_cores, cpu_bw_gbs=cpu_bw,
                 host_ram=host_ram, hw_file=hw_file, calibration=calibration)
 
@@ -277,6 +297,7 @@ def plan_cmd(
     with _errors(verbose):
         model = Path(pick_model(model_arg, model_opt))
         check_ctx_size(ctx_size)  # before resolve_hardware, which may measure the CPU
+        _solve_options(time_limit, act_tokens)
         opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         machine = resolve_hardware(gpu, **opts)
         result = plan_model(model, machine, ctx_size=ctx_size, act_dir=activations, act_tokens=act_tokens,
@@ -302,6 +323,7 @@ def compare_cmd(
     """Plan the same model for each --gpu and print one row per GPU; writes nothing."""
     with _errors(verbose):
         model = Path(pick_model(model_arg, model_opt))
+        _solve_options(time_limit, act_tokens)
         opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         labels = gpu or []
         if json_out or not sys.stderr.isatty():
@@ -350,6 +372,8 @@ def skeleton_cmd(
     with _errors(verbose):
         from pinfer_llm.planner.skeleton import make_skeleton
 
+        at_least("--seed", seed, 0, SEED_MAX)
+        at_least("--tokens", tokens, 1)
         path = make_skeleton(shape, output, quant=quant, predictors=predictors, seed=seed, tokens=tokens,
                              sparsity=sparsity, hot_share=hot_share)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")

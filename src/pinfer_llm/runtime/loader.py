@@ -283,6 +283,27 @@ def _report(tr: Transformer, load: Load) -> None:
 KV_TYPES = {"f16": torch.float16, "f32": torch.float32}
 
 
+def context_bytes(cfg: ModelConfig, ctx: int, kv_type: str) -> int:
+    """What a context of `ctx` tokens allocates at load: the KV cache (K and V per layer) and the RoPE table (built
+    in float64 and complex128 before it is kept as complex64: 20 bytes per token and head dimension at its peak)."""
+    kv = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * KV_TYPES[kv_type].itemsize
+    return ctx * (kv + 20 * cfg.head_dim)
+
+
+def check_context_memory(cfg: ModelConfig, ctx: int, kv_type: str) -> None:
+    """A context the machine's memory cannot hold is one line before anything is allocated (-c 1000000000 failed
+    after 36 s with "can't allocate 64 GB")."""
+    from pinfer_llm.runtime.profiling.counting import available_ram_bytes
+
+    avail = available_ram_bytes()
+    need = context_bytes(cfg, ctx, kv_type)
+    if avail is not None and need > avail:
+        fits = max(avail // context_bytes(cfg, 1, kv_type), 0)
+        raise PinferError(f"a context of {ctx} tokens needs {need / 2**30:.1f} GiB (KV cache and RoPE table), more "
+                          f"than the {avail / 2**30:.1f} GiB of memory available; use a context of at most {fits} "
+                          f"tokens")
+
+
 def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mode: str = "dense",
                      progress=None, kv_type: str = "f16") -> tuple[Transformer, Load]:
     """ffn_mode: "dense"; "sparse" (predictors decide each token's neurons); "oracle" (exact masks).
@@ -291,6 +312,7 @@ def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mod
         raise PinferError(f"unknown FFN mode '{ffn_mode}' (choose {', '.join(FFN_MODES)})")
     if kv_type not in KV_TYPES:
         raise PinferError(f"unknown --kv-type '{kv_type}' (one of {', '.join(KV_TYPES)})")
+    check_context_memory(cfg, max_ctx, kv_type)
     check_shapes(f, cfg)
     masks = maskers(f, cfg, ffn_mode) if ffn_mode != "dense" else [None] * cfg.n_layer
     load = Load()
