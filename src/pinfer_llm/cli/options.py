@@ -81,6 +81,18 @@ def all_warnings(m) -> list[str]:
     return [*m.file.warnings, *m.warnings]
 
 
+def warn_stale_sidecar(m, prog: str) -> None:
+    """PowerInfer reads <model>.generated.gpuidx: one line when it is not the placement of the model's plan."""
+    from pinfer_llm.formats.gpuidx import gpuidx_path
+
+    if gpuidx_path(m.file.path).is_file():
+        from pinfer_llm.planner.planfile import sidecar_problem
+
+        stale = sidecar_problem(m.file)
+        if stale:
+            print(f"{prog}: warning: {stale}", file=sys.stderr)
+
+
 def print_file_warnings(f, prog: str) -> None:
     """A file's own warnings (formats.reader: a pinfer section ignored, old type ids), one line each."""
     for w in f.warnings:

@@ -33,8 +33,10 @@ from pinfer_llm.cli.options import (
     print_file_warnings,
     version_option,
 )
+from pinfer_llm.formats import constants as C
 from pinfer_llm.formats import reader
 from pinfer_llm.formats.errors import PinferError, report
+from pinfer_llm.formats.gpuidx import placement_fingerprint
 from pinfer_llm.planner import report as out
 from pinfer_llm.planner.activations import load_activations
 from pinfer_llm.planner.baselines import Baseline, all_baselines
@@ -49,6 +51,7 @@ from pinfer_llm.planner.planfile import (
     gpuidx_path,
     plan_metadata,
     read_plan,
+    sidecar_problem,
     write_plan,
 )
 from pinfer_llm.planner.problem import DEFAULT_GROUP, KV_TYPES, Problem, build_problem
@@ -119,10 +122,12 @@ def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, 
                          solve_s=sol.build_s + sol.solve_s, tokens_per_s=sol.evaluation.tokens_per_s,
                          vram_used=sol.evaluation.vram, fp=fp,
                          baselines={k: (1 / b.time if b.time else None) for k, b in baselines.items()})
+    if export:  # the plan records the sidecar it goes with: a kill between the two writes leaves a detectable pair
+        ffn_bytes = sum(int(lb.neuron_bytes(k)) for lb, k in zip(p.model.layers, sol.plan.n_gpu, strict=True))
+        meta[C.PLAN_GPUIDX] = placement_fingerprint(masks, ffn_bytes)
     if write:
         result.written = write_plan(f, masks, buckets, meta, dest=output)
     if export:
-        ffn_bytes = sum(int(lb.neuron_bytes(k)) for lb, k in zip(p.model.layers, sol.plan.n_gpu, strict=True))
         result.gpuidx = export_gpuidx(gpuidx_path(result.written or model), masks, buckets, ffn_bytes, fp)
     return result
 
@@ -183,6 +188,9 @@ def gpu_spec(spec: str) -> list[str]:
 def show_plan(model: str | Path) -> dict:
     f = open_gguf(model)
     stored = read_plan(f)
+    stale = sidecar_problem(f)
+    if stale:
+        print(f"{PROG}: warning: {stale}", file=sys.stderr)
     meta = stored.meta
     n_gpus = max(len(meta.get("pinfer.plan.gpus", []) or []), 1)
     layers = [{"layer": b, "attn": out.device(int(stored.plan.attn[b]), n_gpus),

@@ -44,6 +44,7 @@ from pinfer_llm.cli.options import (
     print_warnings,
     version_option,
     warn_ctx,
+    warn_stale_sidecar,
 )
 from pinfer_llm.cli.threads import BusyCores, fit_threads
 from pinfer_llm.formats.errors import PinferError, report
@@ -290,6 +291,7 @@ def run(
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode,
                        gpu_timing=gpu_timing, say=say, **gpu_opts)
         print_warnings(m, "pi-run")
+        warn_stale_sidecar(m, "pi-run")
         warn_ctx(m, ctx_size, "pi-run")
         if not as_json:
             print_notices(m)

@@ -192,6 +192,7 @@ PLAN_SOLVER = "pinfer.plan.solver"  # str: "cbc" | "highs"
 PLAN_SOLVE_SECONDS = "pinfer.plan.solve_seconds"  # f32
 PLAN_HARDWARE = "pinfer.plan.hardware"  # str: JSON of the hardware description the plan was made for
 PLAN_BASELINES = "pinfer.plan.baselines"  # str: JSON {baseline: predicted tokens/s or null}
+PLAN_GPUIDX = "pinfer.plan.gpuidx_fingerprint"  # str: placement_fingerprint of the .gpuidx exported with the plan
 PLAN_VERSION = "pinfer.plan.version"  # u32: layout version of these keys (1)
 
 # Skeleton GGUF: metadata and activation statistics only. Weight tensors are declared in metadata instead of being

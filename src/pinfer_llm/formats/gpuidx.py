@@ -16,6 +16,7 @@ whose vram_capacity exceeds the VRAM left after the dense offload is ignored (an
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,21 @@ class GpuIndex:
     @property
     def n_layer(self) -> int:
         return len(self.gpu_idx)
+
+    @property
+    def fingerprint(self) -> str:
+        return placement_fingerprint(self.gpu_idx, self.vram_capacity)
+
+
+def placement_fingerprint(gpu_idx: list[np.ndarray], vram_capacity: int) -> str:
+    """What a .gpuidx says (every layer's mask and the bytes it was made for), hashed: the plan in a model records
+    the one it was exported with, so that a sidecar left by an earlier run (a kill between the plan's commit and the
+    sidecar's rename) is told apart."""
+    h = hashlib.sha256(str(int(vram_capacity)).encode())
+    for mask in gpu_idx:
+        h.update(np.ascontiguousarray(mask, dtype=np.int32).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
 
 
 def gpuidx_path(model_path: str | os.PathLike) -> Path:

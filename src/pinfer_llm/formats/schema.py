@@ -72,7 +72,7 @@ KEYS = {
     C.PLAN_SOLVER: _text, C.PLAN_SOLVE_SECONDS: _finite, C.PLAN_GROUP: _count, C.PLAN_FINGERPRINT: _text,
     C.PLAN_ATTN_GPU: _array("u", False), C.PLAN_PRED_GPU: _array("u", False), C.PLAN_FFN_GPU: _array("u", False),
     C.PLAN_GPU_NEURONS: _array("u", False), C.PLAN_SPLIT: _array("u", False), C.PLAN_OUTPUT_GPU: _count,
-    C.PLAN_HARDWARE: _text, C.PLAN_BASELINES: _text, C.PLAN_GAP: _finite,
+    C.PLAN_HARDWARE: _text, C.PLAN_BASELINES: _text, C.PLAN_GAP: _finite, C.PLAN_GPUIDX: _text,
 }
 
 

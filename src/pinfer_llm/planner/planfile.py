@@ -24,7 +24,7 @@ import numpy as np
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.config import bounded_layers
 from pinfer_llm.formats.errors import PinferError, quote
-from pinfer_llm.formats.gpuidx import gpuidx_path, write_gpuidx
+from pinfer_llm.formats.gpuidx import gpuidx_path, read_gpuidx, write_gpuidx
 from pinfer_llm.formats.header import GGUFFile
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.formats.update import store
@@ -157,8 +157,36 @@ def _n_layer(f: GGUFFile) -> int:
     return bounded_layers(f, int(n), key)
 
 
+def sidecar_problem(f: GGUFFile) -> str | None:
+    """Why `f`'s <model>.generated.gpuidx is not the placement of the plan in `f`, or None (no sidecar, no plan, or
+    they agree): the plan records the sidecar it was exported with; without that record, their masks are compared."""
+    path = gpuidx_path(f.path)
+    if not path.is_file():
+        return None
+    try:
+        idx = read_gpuidx(path)
+    except PinferError as e:
+        return f"{path.name} cannot be read ({e}); PowerInfer would refuse it: run pi-plan --export-gpuidx again"
+    want = f.get(C.PLAN_GPUIDX)
+    if want is not None:
+        if idx.fingerprint == want:
+            return None
+    else:
+        masks = [f.raw(C.tensor(C.GPU_IDX, b)) for b in range(idx.n_layer) if f.has(C.tensor(C.GPU_IDX, b))]
+        if len(masks) < idx.n_layer or all(np.array_equal(a, b) for a, b in zip(masks, idx.gpu_idx, strict=True)):
+            return None
+    return (f"{path.name} is stale: it is not the placement of the plan stored in {Path(f.path).name} (a pi-plan run "
+            f"was interrupted between writing the two, or a later plan was made without --export-gpuidx); PowerInfer "
+            f"reads the sidecar: run pi-plan {Path(f.path).name} --export-gpuidx again")
+
+
 def copy_plan(src: str | os.PathLike, model: GGUFFile, dest: str | os.PathLike | None = None) -> Path:
-    """Put the plan stored in `src` (a planned model, skeleton or .gpuidx) into `model`, if it was made for it."""
+    """Put the plan stored in `src` (a planned model, skeleton or .gpuidx) into `model`, if it was made for it. The
+    model's own sidecar is refused when it is stale: applying it would bring back a plan the model replaced."""
+    if Path(src).resolve() == gpuidx_path(model.path).resolve():
+        stale = sidecar_problem(model)
+        if stale:
+            raise PinferError(stale)
     s = open_gguf(src)
     stored = read_plan(s, model)
     meta = dict(stored.meta)
@@ -177,4 +205,4 @@ def export_gpuidx(path: str | os.PathLike, masks: list[np.ndarray], buckets: lis
 
 
 __all__ = ["StoredPlan", "copy_plan", "export_gpuidx", "fingerprint", "gpuidx_path", "plan_metadata", "read_plan",
-           "write_plan"]
+           "sidecar_problem", "write_plan"]
