@@ -344,3 +344,31 @@ def test_tensor_data_out_of_order_or_overlapping_is_refused(tmp_path, how):
     else:
         m = _set_offset(p, "blk.0.ffn_up.weight", 32)  # aligned, inside the tensor before it
     one_line(*tool("run", m), "pi-run", "ggml takes tensor data only in order, each padded to the alignment 32")
+
+
+def test_a_copy_keeps_the_sources_holes(tmp_path):
+    """`pi-plan SKELETON -o OUT` on a 45 GB skeleton of 52 KB on disk wrote 42 GB of zeros (64 s): a copy copies the
+    source's data segments only (SEEK_DATA/SEEK_HOLE), so its holes stay holes, and the bytes read the same."""
+    import os
+
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.formats.update import _punch_hole, write_copy
+    from pinfer_llm.formats.writer import write_gguf
+
+    src = tmp_path / "s.gguf"
+    big = np.zeros((2048, 1024), np.float32)  # 8 MiB of zeros, punched out below as a skeleton's weights are
+    big[0, :4] = 1.0
+    write_gguf(src, {C.ARCHITECTURE: "llama", "llama.block_count": 1},
+               {"token_embd.weight": np.ones((16, 32), np.float32), "blk.0.ffn_up.weight": big})
+    t = open_gguf(src).info("blk.0.ffn_up.weight")
+    with open(src, "r+b") as fh:
+        lo = -(-(t.offset + 4096) // 4096) * 4096
+        _punch_hole(fh.fileno(), lo, (t.offset + t.nbytes) // 4096 * 4096 - lo)
+    on_disk = os.stat(src).st_blocks * 512
+    assert on_disk < 1 << 20, on_disk  # the filesystem keeps holes (ext4, xfs, tmpfs do)
+    dest = write_copy(open_gguf(src), tmp_path / "d.gguf", set_metadata={"pinfer.x": 1})
+    assert os.stat(dest).st_blocks * 512 < on_disk + (1 << 20)  # was the full 8 MiB
+    f = open_gguf(dest)
+    assert f.get("pinfer.x") == 1 and np.array_equal(f.raw("blk.0.ffn_up.weight"), big)
+    assert dest.read_bytes()[:f.data_end] == src.read_bytes()[:f.data_end]
