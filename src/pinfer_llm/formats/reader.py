@@ -54,7 +54,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
                 raise PinferError(f"{path}: permission denied (cannot read it)") from None
             raise PinferError(f"{path}: cannot map it ({e.strerror})") from None
         try:
-            f = parse_file(buf, path, size)
+            f = parse_file(buf, path, size, fd)
             f._fd = fd
             f._closer = weakref.finalize(f, os.close, fd)
             if f.trailing == "section":
@@ -70,8 +70,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return f
 
 
-def parse_file(buf, path: Path, size: int) -> GGUFFile:
-    """The header alone: metadata, tensor infos, where the data ends and what follows it."""
+def parse_file(buf, path: Path, size: int, fd: int | None = None) -> GGUFFile:
+    """The header alone: metadata, tensor infos, where the data ends and what follows it (read with pread through
+    `fd` when given: it is often a hole)."""
     h = parse_header(buf, path, 0, size)
     bad = schema.problems(h.metadata)
     if bad:
@@ -86,5 +87,5 @@ def parse_file(buf, path: Path, size: int) -> GGUFFile:
     if legacy:
         f.warnings.append(f"{path}: {len(legacy)} plan tensors use today's ggml type ids in a PWRI file (written by "
                           f"an earlier pinfer); PowerInfer cannot load it: write a copy with pi-plan -o")
-    f.trailing = S.classify_trailing(buf, size, end)
+    f.trailing = S.classify_trailing(buf, size, end, fd)
     return f

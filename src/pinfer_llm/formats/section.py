@@ -130,7 +130,7 @@ def directory_bytes(data_end: int) -> bytes:
     return head.ljust(C.SECTION_DIR_SIZE, b"\0")
 
 
-def classify_trailing(buf, size: int, data_end: int | None) -> str:
+def classify_trailing(buf, size: int, data_end: int | None, fd: int | None = None) -> str:
     """What follows the model's tensor data: "none" (nothing, or zeros), "section" (pinfer's directory), "foreign"
     (bytes pinfer did not write: it leaves such a file alone), or "unknown" (a tensor of unknown size)."""
     if data_end is None:
@@ -145,7 +145,8 @@ def classify_trailing(buf, size: int, data_end: int | None) -> str:
     # zeros up to the end of where a directory would be: padding, or a first write that died before its directory
     # landed (a directory is written before any section)
     stop = min(size, d + C.SECTION_DIR_SIZE)
-    return "none" if not any(bytes(buf[data_end:stop])) else "foreign"
+    gap = os.pread(fd, stop - data_end, data_end) if fd is not None else bytes(buf[data_end:stop])  # often a hole
+    return "none" if not any(gap) else "foreign"
 
 
 def read_slots(buf, d: int) -> list[Slot]:
@@ -170,9 +171,37 @@ class InvalidSection(Exception):
     """A slot that does not point at a valid section (the reason is the message)."""
 
 
-def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot) -> Section:
+def pread_exact(fd: int, offset: int, n: int) -> bytes:
+    """n bytes at offset, read with pread rather than through a map: a page of a hole on a full tmpfs cannot be
+    mapped in (the read is a SIGBUS, rc 135, that no Python code can catch), while pread returns its zeros."""
+    parts, done = [], 0
+    while done < n:
+        chunk = os.pread(fd, min(n - done, 1 << 30), offset + done)
+        if not chunk:
+            raise InvalidSection(f"cut short at byte {offset + done}")
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+def _read_header(fd: int, path: Path, slot: Slot):
+    """The blob's GGUF header, read with pread from its start: 64 KiB first, twice as much while it does not parse
+    (a blob can hold GBs of predictors after a header of a few KiB). Positions in it are relative to the blob."""
+    n = min(slot.nbytes, 1 << 16)
+    while True:
+        head = pread_exact(fd, slot.offset, n)
+        try:
+            return head, parse_header(head, path, 0, n, what="pinfer section")
+        except PinferError as e:
+            if n == slot.nbytes:
+                raise InvalidSection(str(e).removeprefix(f"{path}: ")) from None
+            n = min(slot.nbytes, 2 * n)
+
+
+def load_section(fd: int, path: Path, size: int, start: int, index: int, slot: Slot) -> Section:
     """Parse and check the section a slot points at; InvalidSection when it is not valid. `size` bounds every byte
-    read (the caller pinned the blob and checked the file's current size)."""
+    read (the caller pinned the blob and checked the file's current size). The blob is read with pread (see
+    pread_exact): the section follows the model's data, where copies and pinfer's own reclaiming leave holes."""
     if slot.generation == 0:
         raise InvalidSection("empty slot")
     if (slot.offset < start or slot.offset % C.SECTION_PAGE or slot.nbytes < 24
@@ -180,9 +209,9 @@ def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot)
         raise InvalidSection(f"slot {index} points outside the file ({slot.offset}+{slot.nbytes}, file {size})")
     end = slot.offset + slot.nbytes
     try:
-        h = parse_header(buf, path, slot.offset, end, what="pinfer section")
-    except PinferError as e:
-        raise InvalidSection(str(e).removeprefix(f"{path}: ")) from None
+        head, h = _read_header(fd, path, slot)
+    except OSError as e:
+        raise InvalidSection(f"slot {index}: cannot read it ({e.strerror})") from None
     if h.magic != C.GGUF_MAGIC or h.version != 3:
         raise InvalidSection("not a GGUF v3 blob")
     offsets = h.metadata.get(C.SECTION_TENSOR_OFFSETS, np.zeros(0, np.uint64))
@@ -201,11 +230,14 @@ def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot)
         if off < start or off + nbytes > size:
             raise InvalidSection(f"tensor {quote(name)} lies outside the file")
         if nbytes < SMALL_TENSOR:
-            if off < h.data_offset or off + nbytes > end:
+            if off < slot.offset + h.data_offset or off + nbytes > end:
                 raise InvalidSection(f"small tensor {quote(name)} lies outside its section")
-            small.append(buf[off:off + nbytes])
+            try:
+                small.append(pread_exact(fd, off, nbytes))
+            except OSError as e:
+                raise InvalidSection(f"tensor {quote(name)}: cannot read it ({e.strerror})") from None
         tensors[name] = TensorInfo(name, ne, ggml_type, off, nbytes, "section")
-    if checksum(slot, buf[slot.offset:h.end], small) != slot.checksum:
+    if checksum(slot, head[:h.end], small) != slot.checksum:
         raise InvalidSection(f"slot {index}: checksum mismatch")
     meta = {k: v for k, v in h.metadata.items() if k not in C.SECTION_KEYS}
     bad = schema.problems(meta)
@@ -216,7 +248,7 @@ def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot)
                    list(hidden_tensors))
 
 
-def current_section(buf, path: Path, size: int, data_end: int) -> tuple[Section | None, list[str]]:
+def current_section(buf, fd: int, path: Path, size: int, data_end: int) -> tuple[Section | None, list[str]]:
     """The current section of an unchanging file (a writer holding the writer lock reads it so), and the reasons
     any non-empty slot was rejected."""
     d = dir_offset(data_end)
@@ -226,7 +258,7 @@ def current_section(buf, path: Path, size: int, data_end: int) -> tuple[Section 
         if slots[i].generation == 0:
             continue
         try:
-            return load_section(buf, path, size, d + C.SECTION_DIR_SIZE, i, slots[i]), problems
+            return load_section(fd, path, size, d + C.SECTION_DIR_SIZE, i, slots[i]), problems
         except InvalidSection as e:
             problems.append(str(e))
     return None, problems
@@ -275,7 +307,7 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
                     break
                 size = min(os.fstat(fd).st_size, len(buf))
                 try:
-                    sec = load_section(buf, f.path, size, start, i, s)
+                    sec = load_section(fd, f.path, size, start, i, s)
                 except InvalidSection as e:
                     locks.release(fd, blob)
                     problems.append(str(e))

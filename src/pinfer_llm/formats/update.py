@@ -181,7 +181,7 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
     if size < 24:
         raise PinferError(f"{path}: not a GGUF file ({size} bytes is too short for a header)")
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-        f0 = parse_file(buf, path, size)
+        f0 = parse_file(buf, path, size, fd)
         if expect is not None and header_fingerprint(expect) != header_fingerprint(f0):
             raise PinferError(f"{path} was replaced by another model since it was read (its tensors differ); "
                               f"nothing was written: run the command again")
@@ -193,7 +193,7 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
                               f"model ends; write a copy with -o OUT")
         # a directory cut short (a truncated file) holds no slot to keep: it is written again, as on a first write
         have_dir = f0.trailing == "section" and S.directory_intact(size, f0.data_end)
-        current, _ = S.current_section(buf, path, size, f0.data_end) if have_dir else (None, [])
+        current, _ = S.current_section(buf, fd, path, size, f0.data_end) if have_dir else (None, [])
         raw_slots = S.read_slots(buf, S.dir_offset(f0.data_end)) if have_dir else [S.Slot(0, 0, 0, 0)] * 2
         content = merged_content(f0, current, **changes)
         _commit(fd, path, f0, size, have_dir, current, raw_slots, content, progress)
@@ -201,7 +201,7 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
     # old one is free: if a lower gap holds the (small) new one, write it there too and let the end go.
     size = os.fstat(fd).st_size
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-        current, _ = S.current_section(buf, path, size, f0.data_end)
+        current, _ = S.current_section(buf, fd, path, size, f0.data_end)
         if current is not None and current.nbytes <= COMPACT_MAX:
             raw_slots = S.read_slots(buf, S.dir_offset(f0.data_end))
             _commit(fd, path, f0, size, True, current, raw_slots, merged_content(f0, current), False, only_lower=True)
