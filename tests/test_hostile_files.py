@@ -372,3 +372,67 @@ def test_a_copy_keeps_the_sources_holes(tmp_path):
     f = open_gguf(dest)
     assert f.get("pinfer.x") == 1 and np.array_equal(f.raw("blk.0.ffn_up.weight"), big)
     assert dest.read_bytes()[:f.data_end] == src.read_bytes()[:f.data_end]
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    """A 16 MiB tmpfs of this test's own (root with CAP_SYS_ADMIN only; skipped elsewhere), unmounted after."""
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(mnt: Path) -> None:
+    with open(mnt / "fill", "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\1" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+
+
+def test_holes_on_a_full_tmpfs_are_one_line_not_sigbus(tmp_path, full_tmpfs):
+    """A pinfer-written model copied with holes onto a tmpfs that then filled up: pi-run, pi-plan and pi-profile died
+    with a bus error (rc 135) reading the section's checksum over a page that was a hole; a read fault in a tmpfs
+    hole must allocate a page. The section is read with pread (which reads a hole's zeros without allocating); a
+    hole in the tensor data, which only the memory map reads, is refused at load when the tmpfs cannot back it."""
+    import subprocess
+    import sys
+
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.model_writer import write_llama
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.formats.update import write_copy
+    from tests.tiny import random_weights, tiny_config
+
+    write_tiny(tmp_path / "t.gguf")  # a zero statistic of 256 KiB in the section: holes after cp --sparse=always
+    write_copy(open_gguf(tmp_path / "t.gguf"), tmp_path / "s.gguf", set_metadata={C.ACT_TOKENS: np.uint64(5)},
+               set_tensors={"blk.0.act_peak": np.zeros(65536, np.float32)})
+    cfg = tiny_config(n_embd=256, n_ff=1024, n_head=4, n_head_kv=4)
+    w = random_weights(cfg)
+    w[C.tensor(C.FFN_UP, 1)][:] = 0  # a weight of 1 MiB of zeros
+    write_llama(tmp_path / "w.gguf", cfg, w)
+    for name in ("s.gguf", "w.gguf"):
+        subprocess.run(["cp", "--sparse=always", str(tmp_path / name), str(full_tmpfs / name)], check=True)
+    _fill(full_tmpfs)
+
+    def pi_run(path):
+        return subprocess.run([sys.executable, "-m", "pinfer_llm.cli.run", str(path), "-p", "hi", "-n", "2", "-t",
+                               "1"], capture_output=True, text=True, timeout=120)
+
+    r = pi_run(full_tmpfs / "s.gguf")
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    r = pi_run(full_tmpfs / "w.gguf")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"pi-run: error: {full_tmpfs / 'w.gguf'}: 1.0 MiB of its tensor data are holes on a tmpfs with 0.0 MiB free: "
+        f"reading them through the memory map would crash (SIGBUS); free space there, or copy the file without "
+        f"holes (cp --sparse=never)"), (r.returncode, r.stderr)

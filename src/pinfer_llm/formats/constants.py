@@ -28,6 +28,8 @@ SECTION_PAGE = 4096  # directory and sections start on page boundaries
 SECTION_DIR_MAGIC = b"PINFERSD"
 SECTION_DIR_VERSION = 1
 SECTION_DIR_SIZE = SECTION_PAGE
+# Below this a section tensor is copied into every new section, covered by the checksum and read with pread.
+SECTION_SMALL_TENSOR = 1 << 20
 SECTION_VERSION = "pinfer.section.version"  # u32 (1)
 SECTION_HIDDEN_KEYS = "pinfer.section.hidden_keys"  # str array: header keys the section deletes
 SECTION_HIDDEN_TENSORS = "pinfer.section.hidden_tensors"  # str array: header tensors the section deletes

@@ -16,6 +16,7 @@ entries) and says where each came from.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,13 +201,22 @@ class GGUFFile:
         except ValueError:
             raise PinferError(f"{self.path}: tensor {quote(name)} has unknown type {t.ggml_type}; "
                               f"convert the model with a current llama.cpp") from None
-        buf = self.mm[t.offset:t.offset + t.nbytes]
+        if t.part == "section" and t.nbytes < C.SECTION_SMALL_TENSOR:
+            buf = self._pread(t)  # see section.pread_exact: where copies leave holes, pread reads them safely
+        else:
+            buf = self.mm[t.offset:t.offset + t.nbytes]
         if qtype in PLAIN_DTYPES:
             return buf.view(PLAIN_DTYPES[qtype]).reshape(t.shape)
         if qtype == GGMLQuantizationType.BF16:
             return buf.view(np.uint16).reshape(t.shape)
         row_bytes = tensor_nbytes(t.ne[:1], t.ggml_type)
         return buf.reshape(*t.shape[:-1], row_bytes)
+
+    def _pread(self, t: TensorInfo) -> np.ndarray:
+        data = os.pread(self.fileno(), t.nbytes, t.offset)
+        if len(data) != t.nbytes:
+            raise PinferError(f"{self.path}: tensor {quote(t.name)} is cut short; the file was truncated")
+        return np.frombuffer(data, dtype=np.uint8)
 
     def close(self) -> None:
         """Drop the map and the descriptor (and with it the pins that keep pinfer writers off the section's bytes).

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -89,3 +90,39 @@ def parse_file(buf, path: Path, size: int, fd: int | None = None) -> GGUFFile:
                           f"an earlier pinfer); PowerInfer cannot load it: write a copy with pi-plan -o")
     f.trailing = S.classify_trailing(buf, size, end, fd)
     return f
+
+
+TMPFS_MAGIC = 0x01021994
+
+
+def _fs_type(fd: int) -> int | None:
+    """statfs's f_type (the first field of struct statfs on Linux), or None where it cannot be read."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)
+        if libc.fstatfs(fd, buf) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buf).value
+    except (OSError, AttributeError):
+        return None
+
+
+def check_mappable(f: GGUFFile) -> None:
+    """Refuse a file whose tensor data the memory map cannot read: on a tmpfs, a read fault in a hole (a sparse copy,
+    `cp --sparse=always`) must allocate a page, and on a full tmpfs that is a SIGBUS (rc 135) no Python code can
+    catch. Elsewhere a hole maps the zero page, so only tmpfs is checked: its holes against its free space."""
+    fd = f.fileno()
+    if _fs_type(fd) != TMPFS_MAGIC:
+        return
+    from pinfer_llm.formats.encoder import data_segments
+
+    mapped = [(f.data_offset, f.data_end if f.data_end is not None else f.file_size)]
+    mapped += [(t.offset, t.offset + t.nbytes) for t in f.tensors.values()
+               if t.part == "section" and t.nbytes >= C.SECTION_SMALL_TENSOR]  # smaller ones are read with pread
+    holes = sum(hi - lo - sum(b - a for a, b in data_segments(fd, lo, hi)) for lo, hi in mapped)
+    free = os.fstatvfs(fd).f_bavail * os.fstatvfs(fd).f_frsize
+    if holes > free:
+        raise PinferError(f"{f.path}: {holes / 2**20:.1f} MiB of its tensor data are holes on a tmpfs with "
+                          f"{free / 2**20:.1f} MiB free: reading them through the memory map would crash (SIGBUS); "
+                          f"free space there, or copy the file without holes (cp --sparse=never)")
+

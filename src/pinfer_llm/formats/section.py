@@ -50,7 +50,7 @@ from pinfer_llm.formats.encoder import encode_header
 from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, TensorInfo, parse_header, tensor_nbytes
 
-SMALL_TENSOR = 1 << 20  # below this a tensor is copied into every new section and covered by the checksum
+SMALL_TENSOR = C.SECTION_SMALL_TENSOR  # below: copied into every new section, checksummed, read with pread
 _SLOT = struct.Struct("<QQQQ")
 _DIR_HEAD = struct.Struct("<8sIIQQ")
 SLOT_OFFSETS = (32, 64)

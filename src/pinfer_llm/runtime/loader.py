@@ -19,6 +19,7 @@ from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.config import ModelConfig
 from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile
+from pinfer_llm.formats.reader import check_mappable
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import qops
 from pinfer_llm.runtime.ffn.dense import DenseFFN
@@ -313,6 +314,7 @@ def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mod
     if kv_type not in KV_TYPES:
         raise PinferError(f"unknown --kv-type '{kv_type}' (one of {', '.join(KV_TYPES)})")
     check_context_memory(cfg, max_ctx, kv_type)
+    check_mappable(f)
     check_shapes(f, cfg)
     masks = maskers(f, cfg, ffn_mode) if ffn_mode != "dense" else [None] * cfg.n_layer
     load = Load()
