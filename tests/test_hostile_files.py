@@ -436,3 +436,45 @@ def test_holes_on_a_full_tmpfs_are_one_line_not_sigbus(tmp_path, full_tmpfs):
         f"pi-run: error: {full_tmpfs / 'w.gguf'}: 1.0 MiB of its tensor data are holes on a tmpfs with 0.0 MiB free: "
         f"reading them through the memory map would crash (SIGBUS); free space there, or copy the file without "
         f"holes (cp --sparse=never)"), (r.returncode, r.stderr)
+
+
+def _planned(tmp_path: Path) -> Path:
+    p = _profiled(tmp_path / "m.gguf")
+    res = runner.invoke(plan_cli.app, ["plan", str(p), "--gpu", "rtx4090", "--cpu-cores", "2", "--cpu-bw", "20",
+                                       "--host-ram", "16"])
+    assert res.exit_code == 0, res.output
+    return p
+
+
+@pytest.mark.parametrize("damage", ["mask value", "bucket", "mask length", "attn length", "ffn device",
+                                    "neuron count", "output device"])
+def test_an_inconsistent_plan_is_one_line_and_pi_run_plans_again(tmp_path, damage):
+    """Plans that contradict themselves (a 2 in gpu_idx, a bucket that is not its ones, per-layer keys of the wrong
+    length, a device the plan does not name): 3 of 11 were internal errors under --gpu reference. pi-plan show says
+    which part is wrong; pi-run sets the plan aside in one line and plans again."""
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    p = _planned(tmp_path)
+    mask = np.zeros(160, np.int32)
+    mask[:10] = 1
+    tensors, meta = {}, {}
+    if damage == "mask value":
+        tensors = {"blk.0.gpu_idx": np.where(mask > 0, 2, 0).astype(np.int32)}
+    elif damage == "bucket":
+        tensors = {"blk.0.gpu_idx": mask, "blk.0.gpu_bucket": np.arange(1, 11, dtype=np.int32)}
+    elif damage == "mask length":
+        tensors = {"blk.1.gpu_idx": mask[:100], "blk.1.gpu_bucket": np.arange(10, dtype=np.int32)}
+    elif damage == "attn length":
+        meta = {C.PLAN_ATTN_GPU: np.ones(5, np.uint8)}
+    elif damage == "ffn device":
+        meta = {C.PLAN_FFN_GPU: np.array([3, 0], np.uint8)}
+    elif damage == "neuron count":
+        meta = {C.PLAN_GPU_NEURONS: np.array([7, 7], np.uint32)}
+    else:
+        meta = {C.PLAN_OUTPUT_GPU: np.uint8(5)}
+    update_model(p, set_tensors=tensors, set_metadata=meta)
+    line = one_line(*tool("show", p), "pi-plan", "the stored plan is inconsistent" if damage != "mask length"
+                    else "the plan's layer 1 has 100 neurons, the model 160")
+    code, out = tool("run", p, "--gpu", "reference")
+    assert code == 0 and f"ignoring the plan in the file: {p}: {line.split(f'{p}: ', 1)[1]}" in out, out
