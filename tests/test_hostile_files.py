@@ -183,8 +183,9 @@ def test_the_same_value_in_the_models_own_header_is_an_error(tmp_path):
     ("tokenizer.ggml.eos_token_id", 300, "tokenizer.ggml.eos_token_id is '300', not the id of one of its 300"),
     ("tokenizer.chat_template", 7, "tokenizer.chat_template is int, expected a string"),
     ("llama.vocab_size", 301, "the tokenizer has 300 tokens but llama.vocab_size is 301"),
+    ("llama.embedding_length", np.float32(np.inf), "metadata 'llama.embedding_length' is inf, expected a positive"),
 ])
-def test_a_damaged_vocabulary_is_one_line(tmp_path, key, value, want):
+def test_damaged_tokenizer_or_model_keys_are_one_line(tmp_path, key, value, want):
     """A token list shorter than the vocabulary, or a string, gave "internal error: zip() argument 2 is shorter";
     every tokenizer key is checked against the others before the library sees it."""
     from pinfer_llm.formats.update import update_model

@@ -138,7 +138,10 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
         if isinstance(v, (bool, str, list, np.ndarray, np.bool_)):
             raise PinferError(f"{f.path}: metadata '{key}' is {type(v).__name__}, expected a number; the file is "
                               f"corrupt")
-        x = kind(v)
+        try:
+            x = kind(v)
+        except (OverflowError, ValueError):  # int(inf), int(nan)
+            x = 0
         if not (0 < x < 2**40) or (kind is float and not math.isfinite(x)):
             raise PinferError(f"{f.path}: metadata '{key}' is {v}, expected a positive number; the file is corrupt")
         return x
