@@ -126,10 +126,10 @@ def test_a_sidecar_left_by_an_interrupted_plan_is_flagged(tmp_path, monkeypatch,
     """A kill after the plan's commit and before the .gpuidx rename left the new plan beside the old sidecar (33 of
     60 --export-gpuidx trials); nothing flagged it and `pi-plan apply --from` took it back. The plan records the
     sidecar it was exported with: show and pi-run warn, apply refuses the stale one."""
-    from test_plan_cli import plan_split, split_budget
-    from test_plan_helpers import tiny_model
     from types import SimpleNamespace
 
+    from test_plan_cli import plan_split, split_budget
+    from test_plan_helpers import tiny_model
     from typer.testing import CliRunner
 
     from pinfer_llm.cli import plan as plan_cli
