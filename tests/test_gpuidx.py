@@ -120,3 +120,44 @@ def test_pi_plan_exports_powerinfers_layout(tmp_path):
     m = open_gguf(model)
     assert m.part(C.tensor(C.GPU_IDX, 0)) == "section" and C.tensor(C.GPU_IDX, 0) not in m.header_tensors
     assert np.array_equal(m.raw(C.tensor(C.GPU_IDX, 1)), g.gpu_idx[1])
+
+
+def test_a_sidecar_left_by_an_interrupted_plan_is_flagged(tmp_path, monkeypatch, capsys):
+    """A kill after the plan's commit and before the .gpuidx rename left the new plan beside the old sidecar (33 of
+    60 --export-gpuidx trials); nothing flagged it and `pi-plan apply --from` took it back. The plan records the
+    sidecar it was exported with: show and pi-run warn, apply refuses the stale one."""
+    from types import SimpleNamespace
+
+    from test_plan_cli import plan_split, split_budget
+    from test_plan_helpers import tiny_model
+    from typer.testing import CliRunner
+
+    from pinfer_llm.cli import plan as plan_cli
+    from pinfer_llm.cli.options import warn_stale_sidecar
+
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model(tmp_path / "m.gguf", n_layer=3)
+    sidecar = tmp_path / "m.gguf.generated.gpuidx"
+    assert plan_split(model, tmp_path, "--gpu", "rtx4090", "--export-gpuidx").exit_code == 0
+    first = read_gpuidx(sidecar)
+    assert open_gguf(model).get(C.PLAN_GPUIDX) == first.fingerprint
+
+    def killed(*a, **kw):  # the process dies after the plan's commit, before the sidecar is renamed into place
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_cli, "export_gpuidx", killed)
+    r = plan_split(model, tmp_path, "--gpu", "rtx4090", "--export-gpuidx", "--vram-budget",
+                   split_budget(model, 0.2))  # a smaller budget: another plan
+    assert r.exit_code == 130, r.output
+    monkeypatch.undo()
+    monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
+    assert open_gguf(model).get(C.PLAN_GPUIDX) != first.fingerprint  # the new plan, the old sidecar
+    r = CliRunner().invoke(plan_cli.app, ["show", str(model)])
+    assert r.exit_code == 0 and r.stderr.startswith("pi-plan: warning: m.gguf.generated.gpuidx is stale"), r.stderr
+    r = CliRunner().invoke(plan_cli.app, ["apply", "--from", str(sidecar), str(model)])
+    assert r.exit_code == 1 and r.stderr.startswith("pi-plan: error: m.gguf.generated.gpuidx is stale"), r.stderr
+    warn_stale_sidecar(SimpleNamespace(file=open_gguf(model)), "pi-run")  # what pi-run says after the load
+    assert capsys.readouterr().err.startswith("pi-run: warning: m.gguf.generated.gpuidx is stale")
+    assert plan_split(model, tmp_path, "--gpu", "rtx4090", "--export-gpuidx").exit_code == 0  # a whole run: agreed
+    r = CliRunner().invoke(plan_cli.app, ["show", str(model)])
+    assert r.exit_code == 0 and "stale" not in r.stderr, r.stderr

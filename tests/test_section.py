@@ -105,11 +105,16 @@ def test_open_readers_keep_their_section(tmp_path):
         update_model(p, set_tensors={"t": np.full(1000, v, np.float32), "big": np.full(300_000, v, np.float32)})
     assert (view == 1).all() and (big == 1).all() and (old.raw("t") == 1).all()
     assert (open_gguf(p).raw("big") == 7).all()
-    grown = os.stat(p).st_blocks
+    section = 1_200_000  # "big" alone; each write's section holds a new one
+    base = len(model_bytes(p))
+    held = os.stat(p).st_blocks * 512
+    # the dead sections after the pinned one are freed while it stays pinned (issue #27 item 10: they stayed until
+    # the reader exited, one more per write): the pinned section, the current one and at most the one it replaced
+    assert held <= base + 3.5 * section, (held, base)
     old.close()
     del view, big, old
-    update_model(p, set_metadata={"pinfer.x": 1})  # nobody pins the old sections now: their disk space is freed
-    assert (grown - os.stat(p).st_blocks) * 512 >= 4 * 1_200_000
+    update_model(p, set_metadata={"pinfer.x": 1})  # nobody pins the old section now: its disk space is freed too
+    assert os.stat(p).st_blocks * 512 <= base + 1.5 * section and (open_gguf(p).raw("big") == 7).all()
 
 
 def test_a_torn_slot_leaves_the_older_slot_in_charge(tmp_path, monkeypatch):

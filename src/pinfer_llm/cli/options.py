@@ -4,6 +4,7 @@ every CLI imports this module; library code never does.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Annotated
@@ -70,8 +71,31 @@ def warn_ctx(m, ctx_size: int | None, prog: str) -> None:
 
 
 def print_warnings(m, prog: str) -> None:
-    """What loading could not do as asked (a GPU setting without a GPU), one line each."""
-    for w in m.warnings:
+    """What loading could not do as asked (a GPU setting without a GPU) and what the file could not give (a damaged
+    pinfer section), one line each."""
+    for w in all_warnings(m):
+        print(f"{prog}: warning: {w}", file=sys.stderr)
+
+
+def all_warnings(m) -> list[str]:
+    return [*m.file.warnings, *m.warnings]
+
+
+def warn_stale_sidecar(m, prog: str) -> None:
+    """PowerInfer reads <model>.generated.gpuidx: one line when it is not the placement of the model's plan."""
+    from pinfer_llm.formats.gpuidx import gpuidx_path
+
+    if gpuidx_path(m.file.path).is_file():
+        from pinfer_llm.planner.planfile import sidecar_problem
+
+        stale = sidecar_problem(m.file)
+        if stale:
+            print(f"{prog}: warning: {stale}", file=sys.stderr)
+
+
+def print_file_warnings(f, prog: str) -> None:
+    """A file's own warnings (formats.reader: a pinfer section ignored, old type ids), one line each."""
+    for w in f.warnings:
         print(f"{prog}: warning: {w}", file=sys.stderr)
 
 
@@ -88,6 +112,24 @@ def checked_threads(threads: int | None) -> int | None:
               file=sys.stderr)
         return cores
     return threads
+
+
+def positive(name: str, value: float | None, most: float = math.inf) -> None:
+    """A finite number > 0 (and at most `most`), or None: nan and inf are refused here, where the option is named,
+    rather than as "cannot convert float NaN to integer" deep in the planner."""
+    if value is not None and not (0 < value <= most and math.isfinite(value)):
+        bound = "" if most == math.inf else f" and at most {most:g}"
+        raise PinferError(f"{name} must be a finite number above 0{bound}, got {value}")
+
+
+def at_least(name: str, value: int | None, least: int, most: int | None = None) -> None:
+    """An integer option in [least, most], or None."""
+    if value is not None and (value < least or (most is not None and value > most)):
+        bound = f"from {least} to {most}" if most is not None else f"at least {least}"
+        raise PinferError(f"{name} must be {bound}, got {value}")
+
+
+SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are 32-bit
 
 
 def ffn_mode(sparse: bool, dense: bool, oracle: bool) -> str:

@@ -24,9 +24,19 @@ import typer
 from rich.console import Console
 
 from pinfer_llm.cli import interrupts_raise
-from pinfer_llm.cli.options import ModelOpt, pick_model, version_option
+from pinfer_llm.cli.options import (
+    SEED_MAX,
+    ModelOpt,
+    at_least,
+    pick_model,
+    positive,
+    print_file_warnings,
+    version_option,
+)
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats import reader
 from pinfer_llm.formats.errors import PinferError, report
-from pinfer_llm.formats.reader import open_gguf
+from pinfer_llm.formats.gpuidx import placement_fingerprint
 from pinfer_llm.planner import report as out
 from pinfer_llm.planner.activations import load_activations
 from pinfer_llm.planner.baselines import Baseline, all_baselines
@@ -41,6 +51,7 @@ from pinfer_llm.planner.planfile import (
     gpuidx_path,
     plan_metadata,
     read_plan,
+    sidecar_problem,
     write_plan,
 )
 from pinfer_llm.planner.problem import DEFAULT_GROUP, KV_TYPES, Problem, build_problem
@@ -60,6 +71,13 @@ def _group(version: version_option(PROG) = False) -> None:
 
 
 # --- plain functions ----------------------------------------------------------------------------------------------
+
+def open_gguf(path):
+    """The model opened, its warnings (a damaged pinfer section ignored) said once on stderr."""
+    f = reader.open_gguf(path)
+    print_file_warnings(f, PROG)
+    return f
+
 
 @dataclass
 class PlanResult:
@@ -104,10 +122,12 @@ def plan_model(model: str | Path, hw: Hardware, *, ctx_size: int | None = None, 
                          solve_s=sol.build_s + sol.solve_s, tokens_per_s=sol.evaluation.tokens_per_s,
                          vram_used=sol.evaluation.vram, fp=fp,
                          baselines={k: (1 / b.time if b.time else None) for k, b in baselines.items()})
+    if export:  # the plan records the sidecar it goes with: a kill between the two writes leaves a detectable pair
+        ffn_bytes = sum(int(lb.neuron_bytes(k)) for lb, k in zip(p.model.layers, sol.plan.n_gpu, strict=True))
+        meta[C.PLAN_GPUIDX] = placement_fingerprint(masks, ffn_bytes)
     if write:
         result.written = write_plan(f, masks, buckets, meta, dest=output)
     if export:
-        ffn_bytes = sum(int(lb.neuron_bytes(k)) for lb, k in zip(p.model.layers, sol.plan.n_gpu, strict=True))
         result.gpuidx = export_gpuidx(gpuidx_path(result.written or model), masks, buckets, ffn_bytes, fp)
     return result
 
@@ -168,6 +188,9 @@ def gpu_spec(spec: str) -> list[str]:
 def show_plan(model: str | Path) -> dict:
     f = open_gguf(model)
     stored = read_plan(f)
+    stale = sidecar_problem(f)
+    if stale:
+        print(f"{PROG}: warning: {stale}", file=sys.stderr)
     meta = stored.meta
     n_gpus = max(len(meta.get("pinfer.plan.gpus", []) or []), 1)
     layers = [{"layer": b, "attn": out.device(int(stored.plan.attn[b]), n_gpus),
@@ -205,6 +228,14 @@ def _status(enabled: bool):
     return status
 
 
+MAX_CORES = 4096  # more is a typo: 10^9 cores made libgomp abort allocating 216 GB for its thread pool
+
+
+def _solve_options(time_limit: float, act_tokens: int | None) -> None:
+    positive("--time-limit", time_limit)
+    at_least("--act-tokens", act_tokens, 1)
+
+
 GpuOpt = Annotated[list[str] | None, typer.Option("--gpu", help="GPU from the table (repeat for several GPUs in "
                                                                     "one host); see `pi-plan gpus`")]
 VramOpt = Annotated[float | None, typer.Option("--vram-budget", help="VRAM per GPU for the model, GiB "
@@ -236,6 +267,10 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="traceback on 
 
 
 def _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw_file, calibration) -> dict:
+    for name, value in (("--vram-budget", vram_budget), ("--pcie-bw", pcie_bw), ("--cpu-bw", cpu_bw),
+                        ("--host-ram", host_ram)):
+        positive(name, value)
+    at_least("--cpu-cores", cpu_cores, 1, MAX_CORES)
     return dict(vram_budget_gib=vram_budget, pcie_bw_gbs=pcie_bw, cpu_cores=cpu_cores, cpu_bw_gbs=cpu_bw,
                 host_ram=host_ram, hw_file=hw_file, calibration=calibration)
 
@@ -270,6 +305,7 @@ def plan_cmd(
     with _errors(verbose):
         model = Path(pick_model(model_arg, model_opt))
         check_ctx_size(ctx_size)  # before resolve_hardware, which may measure the CPU
+        _solve_options(time_limit, act_tokens)
         opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         machine = resolve_hardware(gpu, **opts)
         result = plan_model(model, machine, ctx_size=ctx_size, act_dir=activations, act_tokens=act_tokens,
@@ -295,6 +331,7 @@ def compare_cmd(
     """Plan the same model for each --gpu and print one row per GPU; writes nothing."""
     with _errors(verbose):
         model = Path(pick_model(model_arg, model_opt))
+        _solve_options(time_limit, act_tokens)
         opts = _hw(vram_budget, pcie_bw, cpu_cores, cpu_bw, host_ram, hw, calibration)
         labels = gpu or []
         if json_out or not sys.stderr.isatty():
@@ -343,6 +380,8 @@ def skeleton_cmd(
     with _errors(verbose):
         from pinfer_llm.planner.skeleton import make_skeleton
 
+        at_least("--seed", seed, 0, SEED_MAX)
+        at_least("--tokens", tokens, 1)
         path = make_skeleton(shape, output, quant=quant, predictors=predictors, seed=seed, tokens=tokens,
                              sparsity=sparsity, hot_share=hot_share)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,16 @@ import numpy as np
 import typer
 
 from pinfer_llm.cli import interrupts_raise
-from pinfer_llm.cli.options import FfnAct, ModelArg, ModelOpt, pick_model, version_option
+from pinfer_llm.cli.options import (
+    SEED_MAX,
+    FfnAct,
+    ModelArg,
+    ModelOpt,
+    at_least,
+    pick_model,
+    print_file_warnings,
+    version_option,
+)
 from pinfer_llm.formats.errors import PinferError, report
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
@@ -95,6 +105,14 @@ def _check_options(o: dict) -> None:
         raise PinferError(f"--tokens must be positive, got {o['tokens']}")
     if o["store_down_t"] and o["export_activations"]:
         raise PinferError("--store-down-t writes into the model; --export-activations only reads it: run them apart")
+    at_least("-t/--threads", o["threads"], 1)
+    at_least("--seed", o["seed"], 0, SEED_MAX)
+    at_least("--steps", o["steps"], 0)
+    at_least("--sample-tokens", o["sample_tokens"], 1)
+    if o["export_activations"]:
+        parent = Path(o["export_activations"]).absolute().parent
+        if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+            raise PinferError(f"cannot export into {o['export_activations']}: the directory {parent} is not writable")
 
 
 def _check_sample_memory(cfg, sample: int, with_margin: bool, need: int) -> None:
@@ -133,6 +151,7 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr))
     path = resolve_model_path(model)
     f = open_gguf(path)
+    print_file_warnings(f, "pi-profile")
     if not o["export_activations"]:
         check_writable(f, o["out"])  # before minutes of profiling, not after
     cfg = config_from_gguf(f, ffn_act=o["ffn_act"])
@@ -153,7 +172,10 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
 
     if o["export_activations"]:
         counts, tokens = profile_store.stored_counts(f, cfg)
-        powerinfer_dirs.export_activations(counts, Path(o["export_activations"]))
+        try:
+            powerinfer_dirs.export_activations(counts, Path(o["export_activations"]))
+        except OSError as e:  # a read-only filesystem, a full disk: what os.access cannot tell beforehand
+            raise PinferError(f"cannot export into {o['export_activations']}: {e.strerror}") from None
         summary.update(exported=str(o["export_activations"]), tokens=tokens,
                        sparsity=(1 - counts.mean(axis=1) / max(tokens, 1)).round(6).tolist())
         return summary

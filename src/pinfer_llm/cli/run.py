@@ -37,12 +37,14 @@ from pinfer_llm.cli.options import (
     PlacementOpt,
     Sparse,
     VramBudget,
+    all_warnings,
     checked_threads,
     ffn_mode,
     pick_model,
     print_warnings,
     version_option,
     warn_ctx,
+    warn_stale_sidecar,
 )
 from pinfer_llm.cli.threads import BusyCores, fit_threads
 from pinfer_llm.formats.errors import PinferError, report
@@ -131,13 +133,50 @@ def prompt_text(prompt: str | None, positional: str | None, file: Path | None) -
         return prompt if prompt is not None else positional
     if str(file) == "-":
         return read_stdin()
-    if not file.exists():
-        raise PinferError(f"{file}: no such prompt file")
-    return chomp(file.read_text(encoding="utf-8"))
+    return chomp(read_text_file(file, "prompt file"))
+
+
+def read_text_file(path: Path, what: str, strict: bool = True) -> str:
+    """A text file's contents: a directory, a binary file (NUL bytes) or, when strict, bytes that are not UTF-8
+    are one line each (they were internal errors: IsADirectoryError, UnicodeDecodeError)."""
+    if not path.exists():
+        raise PinferError(f"{path}: no such {what}")
+    if path.is_dir():
+        raise PinferError(f"{path}: is a directory, not a {what}")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise PinferError(f"{path}: cannot read the {what} ({e.strerror})") from None
+    if b"\0" in data:
+        raise PinferError(f"{path}: a binary file (it holds NUL bytes), not text; give a {what} in UTF-8")
+    try:
+        return data.decode("utf-8", errors="strict" if strict else "replace")
+    except UnicodeDecodeError as e:
+        raise PinferError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
+                          f"{what} as UTF-8") from None
+
+
+def utf8(name: str, text: str | None) -> str | None:
+    """A string from the command line: bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer
+    cannot encode (`-p $'\\xff'` was an internal error)."""
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = text[e.start]
+            shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+            raise PinferError(f"{name} is not valid UTF-8 ({shown} at character {e.start}); pass UTF-8 text") from None
+    return text
 
 
 def read_stdin() -> str:
-    text = chomp(sys.stdin.read())
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        raw = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PinferError(f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); pipe UTF-8 "
+                          f"text") from None
+    text = chomp(raw)
     if not text:
         raise PinferError("no prompt: stdin is empty; pass -p TEXT or -f FILE")
     return text
@@ -215,8 +254,13 @@ def run(
         if n_predict < -1:
             raise PinferError(f"-n must be >= 0, or -1 (until the end of the turn), got {n_predict}")
         seed = None if seed == -1 else seed  # llama.cpp's -s -1: a random seed
+        for name, text in (("-p", prompt), ("PROMPT", prompt_arg), ("-sys", system), *(("-r", r) for r in
+                                                                                      reverse_prompt or [])):
+            utf8(name, text)
         # checked before the model loads (generate checks them again)
         SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+        if not 1e-3 <= repeat_penalty <= 1e3:  # 1e-300 divided the logits into inf, then NaN probabilities
+            raise PinferError(f"--repeat-penalty must be from 0.001 to 1000 (1: off), got {repeat_penalty}")
         gpu_opts = dict(gpu=gpu, placement=placement, vram_budget=vram_budget, kv_type=kv_type,
                         n_gpu_layers=n_gpu_layers)
         if perplexity_file is not None:
@@ -247,6 +291,7 @@ def run(
         m = load_model(model, threads=threads, ctx_size=ctx_size, ffn_act=ffn_act, ffn_mode=mode,
                        gpu_timing=gpu_timing, say=say, **gpu_opts)
         print_warnings(m, "pi-run")
+        warn_stale_sidecar(m, "pi-run")
         warn_ctx(m, ctx_size, "pi-run")
         if not as_json:
             print_notices(m)
@@ -269,7 +314,7 @@ def run(
                               "timings": m.stats.as_dict(), "ffn_mode": m.ffn_mode,
                               "ffn_active_fraction": active_fraction(m), "cpu_kernels": cpu_kernels.status(),
                               "kv_type": m.kv_type, "ctx_size": m.ctx_size, "notices": m.notices,
-                              "warnings": m.warnings, "hybrid": m.hybrid_report()},
+                              "warnings": all_warnings(m), "hybrid": m.hybrid_report()},
                              ensure_ascii=False))
             return
         if what == "plain":
@@ -322,9 +367,7 @@ def run_perplexity(model, path: Path, threads, ctx_size, ffn_act, mode: str, as_
     from pinfer_llm.runtime import load_model
     from pinfer_llm.runtime.perplexity import perplexity
 
-    if not path.exists():
-        raise PinferError(f"{path}: no such text file for --perplexity")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_text_file(path, "text file for --perplexity", strict=False)
     window = ctx_size or 512
     say = (lambda msg: None) if as_json else (lambda msg: print(f"pi-run: {msg}", file=sys.stderr))
     m = load_model(model, threads=threads, ctx_size=window, ffn_act=ffn_act, ffn_mode=mode, say=say, **gpu_opts)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile
 
 SUPPORTED_ARCHS = ("llama", "bamboo", "falcon", "opt")
@@ -46,8 +46,8 @@ class ModelConfig:
             raise PinferError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         allowed = FFN_ACTIVATIONS if self.gated else GATELESS_ACTIVATIONS
         if self.ffn_act not in allowed:
-            raise PinferError(f"unknown FFN activation '{self.ffn_act}' for architecture {self.arch} (expected one of "
-                              f"{', '.join(allowed)})")
+            raise PinferError(f"unknown FFN activation {quote(self.ffn_act)} for architecture {self.arch} "
+                              f"(expected one of {', '.join(allowed)})")
 
     # What sets the architectures apart, as the runtime needs it (llama.cpp's graphs for llama, falcon; PowerInfer's
     # for opt, as read in its llama.cpp).
@@ -122,7 +122,7 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
     if not arch:
         raise PinferError(f"{f.path}: no general.architecture in metadata; not a model file")
     if arch not in SUPPORTED_ARCHS:
-        raise PinferError(f"{f.path}: architecture '{arch}' is not supported (supported: "
+        raise PinferError(f"{f.path}: architecture {quote(arch)} is not supported (supported: "
                           f"{', '.join(SUPPORTED_ARCHS)})")
 
     def num(template: str, default=None, kind=int):
@@ -138,7 +138,10 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
         if isinstance(v, (bool, str, list, np.ndarray, np.bool_)):
             raise PinferError(f"{f.path}: metadata '{key}' is {type(v).__name__}, expected a number; the file is "
                               f"corrupt")
-        x = kind(v)
+        try:
+            x = kind(v)
+        except (OverflowError, ValueError):  # int(inf), int(nan)
+            x = 0
         if not (0 < x < 2**40) or (kind is float and not math.isfinite(x)):
             raise PinferError(f"{f.path}: metadata '{key}' is {v}, expected a positive number; the file is corrupt")
         return x
@@ -155,12 +158,16 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
         vocab = len(tokens) if isinstance(tokens, list) else f.info(C.TOKEN_EMBD).shape[0]
     else:
         vocab = num(C.VOCAB_SIZE)
+        tokens = f.get(C.TOKENIZER_TOKENS)
+        if isinstance(tokens, list) and len(tokens) != vocab:  # llama.cpp's n_vocab is the token count
+            raise PinferError(f"{f.path}: the tokenizer has {len(tokens)} tokens but {arch}.vocab_size is {vocab}; "
+                              f"the file is inconsistent")
     head_dim = num(C.KEY_LENGTH, max(n_embd // n_head, 1))
 
     rope_scale = 1.0
     scaling = f.arch_get(C.ROPE_SCALING_TYPE)
     if scaling not in (None, "none", "linear"):
-        raise PinferError(f"{f.path}: rope scaling type '{scaling}' is not supported (only linear)")
+        raise PinferError(f"{f.path}: rope scaling type {quote(scaling)} is not supported (only linear)")
     if scaling == "linear" or scaling is None:
         factor = C.ROPE_SCALING_FACTOR if f.arch_get(C.ROPE_SCALING_FACTOR) is not None else C.ROPE_SCALE_LINEAR
         rope_scale = num(factor, 1.0, float)
@@ -170,7 +177,7 @@ def config_from_gguf(f: GGUFFile, ffn_act: str | None = None) -> ModelConfig:
                           f"supported")
     layout = f.arch_get(C.TENSOR_DATA_LAYOUT)
     if arch == "falcon" and layout not in (None, "jploski"):
-        raise PinferError(f"{f.path}: falcon tensor data layout '{layout}' is not supported (only llama.cpp's "
+        raise PinferError(f"{f.path}: falcon tensor data layout {quote(layout)} is not supported (only llama.cpp's "
                           f"'jploski': attn_qkv as [all q | all k | all v])")
 
     n_ctx = num(C.CONTEXT_LENGTH, 4096)

@@ -28,6 +28,8 @@ SECTION_PAGE = 4096  # directory and sections start on page boundaries
 SECTION_DIR_MAGIC = b"PINFERSD"
 SECTION_DIR_VERSION = 1
 SECTION_DIR_SIZE = SECTION_PAGE
+# Below this a section tensor is copied into every new section, covered by the checksum and read with pread.
+SECTION_SMALL_TENSOR = 1 << 20
 SECTION_VERSION = "pinfer.section.version"  # u32 (1)
 SECTION_HIDDEN_KEYS = "pinfer.section.hidden_keys"  # str array: header keys the section deletes
 SECTION_HIDDEN_TENSORS = "pinfer.section.hidden_tensors"  # str array: header tensors the section deletes
@@ -192,6 +194,7 @@ PLAN_SOLVER = "pinfer.plan.solver"  # str: "cbc" | "highs"
 PLAN_SOLVE_SECONDS = "pinfer.plan.solve_seconds"  # f32
 PLAN_HARDWARE = "pinfer.plan.hardware"  # str: JSON of the hardware description the plan was made for
 PLAN_BASELINES = "pinfer.plan.baselines"  # str: JSON {baseline: predicted tokens/s or null}
+PLAN_GPUIDX = "pinfer.plan.gpuidx_fingerprint"  # str: placement_fingerprint of the .gpuidx exported with the plan
 PLAN_VERSION = "pinfer.plan.version"  # u32: layout version of these keys (1)
 
 # Skeleton GGUF: metadata and activation statistics only. Weight tensors are declared in metadata instead of being

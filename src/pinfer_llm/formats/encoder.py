@@ -172,8 +172,39 @@ def write_array(fd: int, data: np.ndarray, offset: int, advance=None) -> None:
         checkpoint("data")
 
 
+def data_segments(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of [start, end) that hold data (SEEK_DATA / SEEK_HOLE): holes read as zeros and need no copy. The
+    whole range where the filesystem cannot tell."""
+    out, pos = [], start
+    while pos < end:
+        try:
+            lo = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # nothing but a hole from here to the end of the file
+                break
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+                return [(start, end)]
+            raise
+        if lo >= end:
+            break
+        hi = min(os.lseek(fd, lo, os.SEEK_HOLE), end)
+        out.append((lo, hi))
+        pos = hi
+    return out
+
+
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> None:
-    """Copy bytes between files in the kernel (copy_file_range; a plain read/write loop where unsupported)."""
+    """Copy bytes from one file into a new one, keeping holes: only the source's data segments are copied, each in
+    the kernel (copy_file_range, which reflinks where the filesystem can; a read/write loop where unsupported), and
+    the destination ends at least at dst_off + n, so its holes read as zeros. A 45 GB skeleton of 52 KB on disk was
+    copied as 42 GB of zeros in 64 s."""
+    for lo, hi in data_segments(src_fd, src_off, src_off + n):
+        _copy(src_fd, dst_fd, lo, dst_off + lo - src_off, hi - lo)
+    if os.fstat(dst_fd).st_size < dst_off + n:
+        os.ftruncate(dst_fd, dst_off + n)
+
+
+def _copy(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> None:
     done = 0
     while done < n:
         step = min(n - done, 1 << 30)

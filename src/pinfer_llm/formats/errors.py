@@ -4,10 +4,22 @@ Anything a user can cause (a bad path, a bad file, a bad option) raises PinferEr
 what is wrong and what to do. The CLIs print it without a traceback (unless --verbose) and exit non-zero.
 """
 
+import reprlib
 import sys
 import traceback
 
 _CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
+QUOTE_LIMIT = 64  # characters of a string from a file that a message shows (ggml's tensor names are shorter)
+MESSAGE_LIMIT = 1000  # a message longer than this is cut: it is one line on a terminal, not a dump of the file
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """A string from a file (a name, a key, a value), quoted for a message and cut to `limit` characters: a corrupt
+    length field can make a "name" swallow the rest of the file (a 199 MB error line on SmolLM2)."""
+    s = value if isinstance(value, str) else reprlib.repr(value)  # reprlib: a 256k-token list is not printed
+    if len(s) <= limit:
+        return f"'{s}'"
+    return f"'{s[:limit]}...' ({len(s)} characters)"
 
 
 class PinferError(Exception):
@@ -15,7 +27,10 @@ class PinferError(Exception):
     newline in a corrupt tensor name, are escaped)."""
 
     def __init__(self, message: object = "", *args):
-        super().__init__(str(message).translate(_CONTROL), *args)
+        text = str(message)
+        if len(text) > MESSAGE_LIMIT:  # cut before escaping: escaping 200 MB takes seconds
+            text = f"{text[:MESSAGE_LIMIT]}... ({len(text) - MESSAGE_LIMIT} more characters)"
+        super().__init__(text.translate(_CONTROL), *args)
 
 
 class Terminated(KeyboardInterrupt):

@@ -16,6 +16,7 @@ whose vram_capacity exceeds the VRAM left after the dense offload is ignored (an
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.formats.writer import write_gguf
 
@@ -42,6 +43,21 @@ class GpuIndex:
     @property
     def n_layer(self) -> int:
         return len(self.gpu_idx)
+
+    @property
+    def fingerprint(self) -> str:
+        return placement_fingerprint(self.gpu_idx, self.vram_capacity)
+
+
+def placement_fingerprint(gpu_idx: list[np.ndarray], vram_capacity: int) -> str:
+    """What a .gpuidx says (every layer's mask and the bytes it was made for), hashed: the plan in a model records
+    the one it was exported with, so that a sidecar left by an earlier run (a kill between the plan's commit and the
+    sidecar's rename) is told apart."""
+    h = hashlib.sha256(str(int(vram_capacity)).encode())
+    for mask in gpu_idx:
+        h.update(np.ascontiguousarray(mask, dtype=np.int32).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
 
 
 def gpuidx_path(model_path: str | os.PathLike) -> Path:
@@ -77,7 +93,7 @@ def read_gpuidx(path: str | os.PathLike, n_layer: int | None = None,
     f = open_gguf(path)
     where = f"{f.path}"
     if f.architecture != C.GPU_INDEX_ARCH:
-        raise PinferError(f"{where}: not a GPU index (general.architecture is '{f.architecture}', expected "
+        raise PinferError(f"{where}: not a GPU index (general.architecture is {quote(f.architecture)}, expected "
                           f"'{C.GPU_INDEX_ARCH}')")
     vt = f.value_types.get(C.SPLIT_VRAM_CAPACITY, (None, None))[0]
     if vt is None:
@@ -98,10 +114,10 @@ def read_gpuidx(path: str | os.PathLike, n_layer: int | None = None,
         for name, want in ((names[2 * b], C.tensor(C.GPU_IDX, b)), (names[2 * b + 1], C.tensor(C.GPU_BUCKET, b))):
             t = f.header_tensors[name]
             if name != want:
-                raise PinferError(f"{where}: tensor {names.index(name)} is '{name}', expected '{want}' (PowerInfer "
-                                  f"takes them by position)")
+                raise PinferError(f"{where}: tensor {names.index(name)} is {quote(name)}, expected '{want}' "
+                                  f"(PowerInfer takes them by position)")
             if t.ggml_type != GGMLQuantizationType.I32 or len(t.ne) != 1:
-                raise PinferError(f"{where}: '{name}' is {t.type_name} {list(t.ne)}, expected a 1-D I32 tensor")
+                raise PinferError(f"{where}: {quote(name)} is {t.type_name} {list(t.ne)}, expected a 1-D I32 tensor")
         mask = np.array(f.raw(names[2 * b]), dtype=np.int32)
         bucket = np.array(f.raw(names[2 * b + 1]), dtype=np.int32)
         if mask.size and not np.isin(mask, (0, 1)).all():

@@ -16,6 +16,7 @@ entries) and says where each came from.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 
 # GGUFValueType codes -> (struct format, size)
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -35,6 +36,10 @@ _NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32,
 _STRING, _ARRAY = 8, 9
 _MAX_NESTING = 8  # arrays of arrays: deeper nesting is corruption (and would exhaust the stack)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NAME = 64  # GGML_MAX_NAME: ggml refuses a tensor name of this many bytes or more
+# The fewest bytes a key/value pair (key length, type, a 1-byte value) and a tensor info (name length, n_dims, type,
+# offset) can take: a count beyond what the bytes left can hold is refused before anything loops over it.
+_MIN_KV, _MIN_INFO = 8 + 4 + 1, 8 + 4 + 4 + 8
 
 # Tensor types whose data is a plain numpy array rather than quantised blocks.
 PLAIN_DTYPES = {
@@ -165,7 +170,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise PinferError(f"{self.path}: missing tensor '{name}'; the file is incomplete or not a model of "
+            raise PinferError(f"{self.path}: missing tensor {quote(name)}; the file is incomplete or not a model of "
                               f"this architecture") from None
 
     @property
@@ -194,15 +199,24 @@ class GGUFFile:
         try:
             qtype = GGMLQuantizationType(t.ggml_type)
         except ValueError:
-            raise PinferError(f"{self.path}: tensor '{name}' has unknown type {t.ggml_type}; "
+            raise PinferError(f"{self.path}: tensor {quote(name)} has unknown type {t.ggml_type}; "
                               f"convert the model with a current llama.cpp") from None
-        buf = self.mm[t.offset:t.offset + t.nbytes]
+        if t.part == "section" and t.nbytes < C.SECTION_SMALL_TENSOR:
+            buf = self._pread(t)  # see section.pread_exact: where copies leave holes, pread reads them safely
+        else:
+            buf = self.mm[t.offset:t.offset + t.nbytes]
         if qtype in PLAIN_DTYPES:
             return buf.view(PLAIN_DTYPES[qtype]).reshape(t.shape)
         if qtype == GGMLQuantizationType.BF16:
             return buf.view(np.uint16).reshape(t.shape)
         row_bytes = tensor_nbytes(t.ne[:1], t.ggml_type)
         return buf.reshape(*t.shape[:-1], row_bytes)
+
+    def _pread(self, t: TensorInfo) -> np.ndarray:
+        data = os.pread(self.fileno(), t.nbytes, t.offset)
+        if len(data) != t.nbytes:
+            raise PinferError(f"{self.path}: tensor {quote(t.name)} is cut short; the file was truncated")
+        return np.frombuffer(data, dtype=np.uint8)
 
     def close(self) -> None:
         """Drop the map and the descriptor (and with it the pins that keep pinfer writers off the section's bytes).
@@ -231,8 +245,11 @@ class _Cursor:
         self.pos += size
         return v
 
-    def string(self) -> str:
+    def string(self, limit: int | None = None, what: str = "") -> str:
         n = self.unpack("<Q", 8)
+        if limit is not None and n >= limit:
+            raise PinferError(f"{self.path}: corrupt {self.what} ({what} of {n} bytes at byte {self.pos - 8}; ggml "
+                              f"takes at most {limit - 1})")
         self.need(n)
         s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
@@ -297,8 +314,9 @@ def parse_header(buf, path: Path, start: int = 0, end: int | None = None, what: 
                           f"reconvert it with a current llama.cpp")
     n_tensors = cur.unpack("<Q", 8)
     n_kv = cur.unpack("<Q", 8)
-    if n_tensors > end - start or n_kv > end - start:
-        raise PinferError(f"{path}: corrupt {what} (claims {n_tensors} tensors and {n_kv} keys)")
+    if n_tensors * _MIN_INFO + n_kv * _MIN_KV > end - cur.pos:
+        raise PinferError(f"{path}: corrupt {what} (claims {n_tensors} tensors and {n_kv} keys, more than its "
+                          f"{end - start} bytes can hold)")
 
     metadata: dict[str, Any] = {}
     value_types: dict[str, tuple[int, int | None]] = {}
@@ -317,15 +335,15 @@ def parse_header(buf, path: Path, start: int = 0, end: int | None = None, what: 
     infos = []
     seen = set()
     for _ in range(n_tensors):
-        name = cur.string()
+        name = cur.string(MAX_NAME, "a tensor name")
         n_dims = cur.unpack("<I", 4)
         if n_dims > _MAX_DIMS:
-            raise PinferError(f"{path}: corrupt tensor info for '{name}' ({n_dims} dimensions)")
+            raise PinferError(f"{path}: corrupt tensor info for {quote(name)} ({n_dims} dimensions)")
         ne = tuple(cur.unpack("<Q", 8) for _ in range(n_dims))
         ggml_type = cur.unpack("<I", 4)
         offset = cur.unpack("<Q", 8)
         if name in seen:
-            raise PinferError(f"{path}: corrupt {what} (tensor '{name}' appears twice)")
+            raise PinferError(f"{path}: corrupt {what} (tensor {quote(name)} appears twice)")
         seen.add(name)
         infos.append((name, ne, ggml_type, offset))
 
@@ -350,14 +368,17 @@ def resolve_type(stored: int, powerinfer: bool, name: str, path: Path, legacy: l
     if plan and stored in (GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32):
         legacy.append(name)
         return stored
-    raise PinferError(f"{path}: tensor '{name}' has type id {stored}, which PowerInfer's ggml does not define (it "
+    raise PinferError(f"{path}: tensor {quote(name)} has type id {stored}, which PowerInfer's ggml does not define (it "
                       f"knows 0-3 and 6-18); the file is corrupt or was written with today's ggml type numbers")
 
 
 def tensor_infos(h: Header, path: Path, powerinfer: bool, legacy: list[str], size: int,
                  part: str = "header") -> dict[str, TensorInfo]:
-    """Header tensor infos with absolute offsets and sizes, each checked against the file's size."""
+    """Header tensor infos with absolute offsets and sizes, each checked against the file's size and laid out as
+    ggml's loader takes them: in order, each tensor's data right after the one before, padded to the alignment.
+    Overlapping or swapped data (an offset set to 0) was read as another tensor's bytes."""
     tensors: dict[str, TensorInfo] = {}
+    expected: int | None = 0  # where the next tensor's data must start (None after one of unknown size)
     for name, ne, stored, offset in h.infos:
         ggml_type = resolve_type(stored, powerinfer, name, path, legacy)
         nbytes = tensor_nbytes(ne, ggml_type)
@@ -367,14 +388,22 @@ def tensor_infos(h: Header, path: Path, powerinfer: bool, legacy: list[str], siz
             except ValueError:
                 nbytes = 0  # unknown type: kept so that the error names the tensor when it is used
             else:
-                raise PinferError(f"{path}: corrupt tensor info for '{name}' (rows of {ne[0] if ne else 0} "
+                raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (rows of {ne[0] if ne else 0} "
                                   f"elements are not whole {type_name(ggml_type)} blocks)")
         if offset % h.alignment:
-            raise PinferError(f"{path}: corrupt tensor info for '{name}' (offset {offset} is not a multiple of the "
-                              f"alignment {h.alignment})")
+            raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (offset {offset} is not a multiple of "
+                              f"the alignment {h.alignment})")
+        if expected is not None and offset != expected:
+            raise PinferError(f"{path}: corrupt tensor info for {quote(name)} (its data is at offset {offset}, where "
+                              f"the tensors before it end at {expected}: ggml takes tensor data only in order, each "
+                              f"padded to the alignment {h.alignment})")
+        if tensor_nbytes(ne, ggml_type) is None:
+            expected = None  # a type of unknown size: where the next tensor starts cannot be told
+        elif expected is not None:
+            expected += -(-nbytes // h.alignment) * h.alignment
         t = TensorInfo(name, ne, ggml_type, h.data_offset + offset, nbytes, part)
         if t.offset + nbytes > size:
-            raise PinferError(f"{path}: truncated file: tensor '{name}' ends at byte {t.offset + nbytes} but the "
+            raise PinferError(f"{path}: truncated file: tensor {quote(name)} ends at byte {t.offset + nbytes} but the "
                               f"file has {size}; download or convert it again")
         tensors[name] = t
     return tensors

@@ -101,6 +101,36 @@ def reserve(fd: int, ranges: list[tuple[int, int]]) -> bool:
         return False
 
 
+def free_parts(fd: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) that no other descriptor pins or reserves right now, in order (F_OFD_GETLK names one
+    conflicting lock at a time: the range is split around each). Without OFD locks: none (bytes are never reused).
+    A writer still reserves what it uses: a reader may pin a part after this answer."""
+    if hi <= lo or not ofd_available(fd):
+        return []
+    held: list[tuple[int, int]] = []
+    todo = [(lo, hi)]
+    while todo:
+        a, b = todo.pop()
+        try:
+            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(_F_WRLCK, PIN_BASE + a, b - a))
+        except OSError:
+            return []
+        ltype, _, start, length, _ = struct.unpack("hhqqi4x", got)
+        if ltype == _F_UNLCK:
+            continue
+        c, d = max(start - PIN_BASE, a), b if length == 0 else min(start - PIN_BASE + length, b)
+        held.append((c, d))
+        todo += [(x, y) for x, y in ((a, c), (d, b)) if y > x]
+    out, pos = [], lo
+    for c, d in sorted(held):
+        if c > pos:
+            out.append((pos, c))
+        pos = max(pos, d)
+    if pos < hi:
+        out.append((pos, hi))
+    return out
+
+
 def release(fd: int, ranges: list[tuple[int, int]]) -> None:
     if not ofd_available(fd):
         return

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -12,6 +13,7 @@ import weakref
 from pathlib import Path
 
 from pinfer_llm.formats import constants as C
+from pinfer_llm.formats import schema
 from pinfer_llm.formats import section as S
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.formats.header import GGUFFile, data_end, parse_header, tensor_infos
@@ -53,7 +55,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
                 raise PinferError(f"{path}: permission denied (cannot read it)") from None
             raise PinferError(f"{path}: cannot map it ({e.strerror})") from None
         try:
-            f = parse_file(buf, path, size)
+            f = parse_file(buf, path, size, fd)
             f._fd = fd
             f._closer = weakref.finalize(f, os.close, fd)
             if f.trailing == "section":
@@ -69,9 +71,13 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return f
 
 
-def parse_file(buf, path: Path, size: int) -> GGUFFile:
-    """The header alone: metadata, tensor infos, where the data ends and what follows it."""
+def parse_file(buf, path: Path, size: int, fd: int | None = None) -> GGUFFile:
+    """The header alone: metadata, tensor infos, where the data ends and what follows it (read with pread through
+    `fd` when given: it is often a hole)."""
     h = parse_header(buf, path, 0, size)
+    bad = schema.problems(h.metadata)
+    if bad:
+        raise PinferError(f"{path}: {bad[0]}; the file is corrupt")
     legacy: list[str] = []
     powerinfer = h.magic == C.PWRI_MAGIC
     tensors = tensor_infos(h, path, powerinfer, legacy, size)
@@ -82,5 +88,41 @@ def parse_file(buf, path: Path, size: int) -> GGUFFile:
     if legacy:
         f.warnings.append(f"{path}: {len(legacy)} plan tensors use today's ggml type ids in a PWRI file (written by "
                           f"an earlier pinfer); PowerInfer cannot load it: write a copy with pi-plan -o")
-    f.trailing = S.classify_trailing(buf, size, end)
+    f.trailing = S.classify_trailing(buf, size, end, fd)
     return f
+
+
+TMPFS_MAGIC = 0x01021994
+
+
+def _fs_type(fd: int) -> int | None:
+    """statfs's f_type (the first field of struct statfs on Linux), or None where it cannot be read."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)
+        if libc.fstatfs(fd, buf) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buf).value
+    except (OSError, AttributeError):
+        return None
+
+
+def check_mappable(f: GGUFFile) -> None:
+    """Refuse a file whose tensor data the memory map cannot read: on a tmpfs, a read fault in a hole (a sparse copy,
+    `cp --sparse=always`) must allocate a page, and on a full tmpfs that is a SIGBUS (rc 135) no Python code can
+    catch. Elsewhere a hole maps the zero page, so only tmpfs is checked: its holes against its free space."""
+    fd = f.fileno()
+    if _fs_type(fd) != TMPFS_MAGIC:
+        return
+    from pinfer_llm.formats.encoder import data_segments
+
+    mapped = [(f.data_offset, f.data_end if f.data_end is not None else f.file_size)]
+    mapped += [(t.offset, t.offset + t.nbytes) for t in f.tensors.values()
+               if t.part == "section" and t.nbytes >= C.SECTION_SMALL_TENSOR]  # smaller ones are read with pread
+    holes = sum(hi - lo - sum(b - a for a, b in data_segments(fd, lo, hi)) for lo, hi in mapped)
+    free = os.fstatvfs(fd).f_bavail * os.fstatvfs(fd).f_frsize
+    if holes > free:
+        raise PinferError(f"{f.path}: {holes / 2**20:.1f} MiB of its tensor data are holes on a tmpfs with "
+                          f"{free / 2**20:.1f} MiB free: reading them through the memory map would crash (SIGBUS); "
+                          f"free space there, or copy the file without holes (cp --sparse=never)")
+

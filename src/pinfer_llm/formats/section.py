@@ -45,12 +45,12 @@ from typing import Any
 import numpy as np
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats import locks
+from pinfer_llm.formats import locks, schema
 from pinfer_llm.formats.encoder import encode_header
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, TensorInfo, parse_header, tensor_nbytes
 
-SMALL_TENSOR = 1 << 20  # below this a tensor is copied into every new section and covered by the checksum
+SMALL_TENSOR = C.SECTION_SMALL_TENSOR  # below: copied into every new section, checksummed, read with pread
 _SLOT = struct.Struct("<QQQQ")
 _DIR_HEAD = struct.Struct("<8sIIQQ")
 SLOT_OFFSETS = (32, 64)
@@ -130,7 +130,7 @@ def directory_bytes(data_end: int) -> bytes:
     return head.ljust(C.SECTION_DIR_SIZE, b"\0")
 
 
-def classify_trailing(buf, size: int, data_end: int | None) -> str:
+def classify_trailing(buf, size: int, data_end: int | None, fd: int | None = None) -> str:
     """What follows the model's tensor data: "none" (nothing, or zeros), "section" (pinfer's directory), "foreign"
     (bytes pinfer did not write: it leaves such a file alone), or "unknown" (a tensor of unknown size)."""
     if data_end is None:
@@ -145,11 +145,24 @@ def classify_trailing(buf, size: int, data_end: int | None) -> str:
     # zeros up to the end of where a directory would be: padding, or a first write that died before its directory
     # landed (a directory is written before any section)
     stop = min(size, d + C.SECTION_DIR_SIZE)
-    return "none" if not any(bytes(buf[data_end:stop])) else "foreign"
+    gap = os.pread(fd, stop - data_end, data_end) if fd is not None else bytes(buf[data_end:stop])  # often a hole
+    return "none" if not any(gap) else "foreign"
 
 
 def read_slots(buf, d: int) -> list[Slot]:
     return [Slot(*_SLOT.unpack_from(buf, d + off)) for off in SLOT_OFFSETS]
+
+
+def directory_intact(size: int, data_end: int) -> bool:
+    """Whether the whole directory is inside the file (a file cut inside it has a magic but no slots to read)."""
+    return size >= dir_offset(data_end) + C.SECTION_DIR_SIZE
+
+
+def ignored(path, why: str, newer: bool = False) -> str:
+    """The one line a reader gives when pinfer's section cannot be used: the model loads without it."""
+    what = "the newest pinfer section" if newer else "pinfer's section (statistics, predictors, plan)"
+    rest = "an older one is used" if newer else "the model itself is intact and loads without it"
+    return f"{path}: {what} was ignored ({why}); {rest}"
 
 
 # --- reading a section --------------------------------------------------------------------------------------------
@@ -158,9 +171,37 @@ class InvalidSection(Exception):
     """A slot that does not point at a valid section (the reason is the message)."""
 
 
-def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot) -> Section:
+def pread_exact(fd: int, offset: int, n: int) -> bytes:
+    """n bytes at offset, read with pread rather than through a map: a page of a hole on a full tmpfs cannot be
+    mapped in (the read is a SIGBUS, rc 135, that no Python code can catch), while pread returns its zeros."""
+    parts, done = [], 0
+    while done < n:
+        chunk = os.pread(fd, min(n - done, 1 << 30), offset + done)
+        if not chunk:
+            raise InvalidSection(f"cut short at byte {offset + done}")
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+def _read_header(fd: int, path: Path, slot: Slot):
+    """The blob's GGUF header, read with pread from its start: 64 KiB first, twice as much while it does not parse
+    (a blob can hold GBs of predictors after a header of a few KiB). Positions in it are relative to the blob."""
+    n = min(slot.nbytes, 1 << 16)
+    while True:
+        head = pread_exact(fd, slot.offset, n)
+        try:
+            return head, parse_header(head, path, 0, n, what="pinfer section")
+        except PinferError as e:
+            if n == slot.nbytes:
+                raise InvalidSection(str(e).removeprefix(f"{path}: ")) from None
+            n = min(slot.nbytes, 2 * n)
+
+
+def load_section(fd: int, path: Path, size: int, start: int, index: int, slot: Slot) -> Section:
     """Parse and check the section a slot points at; InvalidSection when it is not valid. `size` bounds every byte
-    read (the caller pinned the blob and checked the file's current size)."""
+    read (the caller pinned the blob and checked the file's current size). The blob is read with pread (see
+    pread_exact): the section follows the model's data, where copies and pinfer's own reclaiming leave holes."""
     if slot.generation == 0:
         raise InvalidSection("empty slot")
     if (slot.offset < start or slot.offset % C.SECTION_PAGE or slot.nbytes < 24
@@ -168,9 +209,9 @@ def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot)
         raise InvalidSection(f"slot {index} points outside the file ({slot.offset}+{slot.nbytes}, file {size})")
     end = slot.offset + slot.nbytes
     try:
-        h = parse_header(buf, path, slot.offset, end, what="pinfer section")
-    except PinferError as e:
-        raise InvalidSection(str(e).removeprefix(f"{path}: ")) from None
+        head, h = _read_header(fd, path, slot)
+    except OSError as e:
+        raise InvalidSection(f"slot {index}: cannot read it ({e.strerror})") from None
     if h.magic != C.GGUF_MAGIC or h.version != 3:
         raise InvalidSection("not a GGUF v3 blob")
     offsets = h.metadata.get(C.SECTION_TENSOR_OFFSETS, np.zeros(0, np.uint64))
@@ -185,23 +226,29 @@ def load_section(buf, path: Path, size: int, start: int, index: int, slot: Slot)
     for (name, ne, ggml_type, _), off in zip(h.infos, offsets.tolist(), strict=True):
         nbytes = tensor_nbytes(ne, ggml_type)
         if nbytes is None:
-            raise InvalidSection(f"tensor '{name}' has unknown type {ggml_type}")
+            raise InvalidSection(f"tensor {quote(name)} has unknown type {ggml_type}")
         if off < start or off + nbytes > size:
-            raise InvalidSection(f"tensor '{name}' lies outside the file")
+            raise InvalidSection(f"tensor {quote(name)} lies outside the file")
         if nbytes < SMALL_TENSOR:
-            if off < h.data_offset or off + nbytes > end:
-                raise InvalidSection(f"small tensor '{name}' lies outside its section")
-            small.append(buf[off:off + nbytes])
+            if off < slot.offset + h.data_offset or off + nbytes > end:
+                raise InvalidSection(f"small tensor {quote(name)} lies outside its section")
+            try:
+                small.append(pread_exact(fd, off, nbytes))
+            except OSError as e:
+                raise InvalidSection(f"tensor {quote(name)}: cannot read it ({e.strerror})") from None
         tensors[name] = TensorInfo(name, ne, ggml_type, off, nbytes, "section")
-    if checksum(slot, buf[slot.offset:h.end], small) != slot.checksum:
+    if checksum(slot, head[:h.end], small) != slot.checksum:
         raise InvalidSection(f"slot {index}: checksum mismatch")
     meta = {k: v for k, v in h.metadata.items() if k not in C.SECTION_KEYS}
+    bad = schema.problems(meta)
+    if bad:  # a valid checksum over a value no pinfer writer makes (a hand-edited file): none of it is trusted
+        raise InvalidSection(bad[0])
     types = {k: v for k, v in h.value_types.items() if k not in C.SECTION_KEYS}
     return Section(index, slot.generation, slot.offset, slot.nbytes, meta, types, tensors, list(hidden_keys),
                    list(hidden_tensors))
 
 
-def current_section(buf, path: Path, size: int, data_end: int) -> tuple[Section | None, list[str]]:
+def current_section(buf, fd: int, path: Path, size: int, data_end: int) -> tuple[Section | None, list[str]]:
     """The current section of an unchanging file (a writer holding the writer lock reads it so), and the reasons
     any non-empty slot was rejected."""
     d = dir_offset(data_end)
@@ -211,7 +258,7 @@ def current_section(buf, path: Path, size: int, data_end: int) -> tuple[Section 
         if slots[i].generation == 0:
             continue
         try:
-            return load_section(buf, path, size, d + C.SECTION_DIR_SIZE, i, slots[i]), problems
+            return load_section(fd, path, size, d + C.SECTION_DIR_SIZE, i, slots[i]), problems
         except InvalidSection as e:
             problems.append(str(e))
     return None, problems
@@ -228,6 +275,10 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
     or none, as if the newest were broken."""
     d = dir_offset(f.data_end)
     start = d + C.SECTION_DIR_SIZE
+    if not directory_intact(len(buf), f.data_end):
+        f.warnings.append(ignored(f.path, f"its directory is cut short: {len(buf) - d} of {C.SECTION_DIR_SIZE} "
+                                          f"bytes, the file was truncated"))
+        return
     own = None  # the map made here when the file grew after `buf` was mapped
 
     def slots_raw() -> bytes:
@@ -256,7 +307,7 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
                     break
                 size = min(os.fstat(fd).st_size, len(buf))
                 try:
-                    sec = load_section(buf, f.path, size, start, i, s)
+                    sec = load_section(fd, f.path, size, start, i, s)
                 except InvalidSection as e:
                     locks.release(fd, blob)
                     problems.append(str(e))
@@ -270,7 +321,7 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
                 _merge(f, sec)
                 f.pinned = blob + more
                 if problems:
-                    f.warnings.append(f"{f.path}: newer pinfer section ignored ({'; '.join(problems)})")
+                    f.warnings.append(ignored(f.path, "; ".join(problems), newer=True))
                 return
             if grown:
                 if own is not None:
@@ -279,7 +330,7 @@ def attach_section(f: GGUFFile, buf, fd: int) -> None:
                 continue
             if not retry:
                 if problems:
-                    f.warnings.append(f"{f.path}: pinfer section ignored ({'; '.join(problems)})")
+                    f.warnings.append(ignored(f.path, "; ".join(problems)))
                 return
             time.sleep(min(0.001 * attempt, 0.05))
         raise PinferError(f"{f.path}: the file's pinfer section keeps changing while it is read; try again")

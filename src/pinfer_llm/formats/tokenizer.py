@@ -12,6 +12,7 @@ parse_special), so chat templates that produce "<|im_start|>" tokenize correctly
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pinfer_llm.formats import constants as C
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -67,22 +68,59 @@ class GGUFTokenizer:
         if not self.chat_template:
             raise PinferError("this model has no tokenizer.chat_template; run without --chat")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
-            raise PinferError(f"chat template: {msg}")
+            raise PinferError(f"chat template: {quote(msg, 200)}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        env = _template_environment()(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda v, indent=None: __import__("json").dumps(v, indent=indent, ensure_ascii=False)
         try:
             template = env.from_string(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise PinferError(f"the model's chat template does not parse ({e}); run without --chat") from None
+        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+            raise PinferError(f"the model's chat template does not parse ({_why(e)}); run without --chat") from None
         tokens = self.tokens
         special = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else ""  # noqa: E731
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+        except PinferError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template is a program from the file: any failure is the file's
+            raise PinferError(f"the model's chat template fails on these messages ({_why(e)}); run without "
+                              f"--chat, or fix tokenizer.chat_template") from None
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {quote(str(e), 200)[1:-1]}"
+
+
+_TEMPLATE_SIZE = 1 << 24  # characters (or items) a template may build with * or produce with **
+
+
+@functools.cache
+def _template_environment():
+    """jinja2's immutable sandbox, which refuses attribute tricks (SecurityError) and bounds range(), with `*` and
+    `**` bounded too: `'a' * 10**10` in a template would otherwise take the machine's memory before anything failed."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Environment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                n, seq = (right, left) if isinstance(left, (str, list, tuple)) else (left, right)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _TEMPLATE_SIZE:
+                    raise SecurityError(f"a sequence of {len(seq) * n} items is too large")
+            elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 1 and \
+                    right * max(abs(left).bit_length(), 1) > 8 * _TEMPLATE_SIZE:
+                raise SecurityError(f"{left} ** {right} is too large")
+            return super().call_binop(context, operator, left, right)
+
+    return Environment
+
+
 
 
 def _get(f: GGUFFile | dict, key: str, default: Any = None) -> Any:
@@ -99,6 +137,7 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
                           f"llama.cpp's convert_hf_to_gguf.py")
     types = _get(f, C.TOKENIZER_TOKEN_TYPE)
     types = np.asarray(types) if types is not None else np.full(len(tokens), C.TOKEN_TYPE_NORMAL)
+    check_vocabulary(path, f, kind, tokens, types)
     if kind == "gpt2":
         tok = _library(path, _bpe_tokenizer, tokens, _get(f, C.TOKENIZER_MERGES, []),
                        str(_get(f, C.TOKENIZER_PRE, "default")))
@@ -111,7 +150,7 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
                        bool(_get(f, C.TOKENIZER_ADD_SPACE_PREFIX, True)))
         default_add_bos = True
     else:
-        raise PinferError(f"{path}: tokenizer type '{kind}' is not supported (only 'gpt2' BPE and 'llama' "
+        raise PinferError(f"{path}: tokenizer type {quote(kind)} is not supported (only 'gpt2' BPE and 'llama' "
                           f"SentencePiece)")
     special_types = (C.TOKEN_TYPE_CONTROL, C.TOKEN_TYPE_USER_DEFINED)
     specials = [AddedToken(t, special=True, normalized=False)
@@ -127,6 +166,36 @@ def load_tokenizer(f: GGUFFile | dict) -> GGUFTokenizer:
     return GGUFTokenizer(tok, None if bos is None else int(bos), None if eos is None else int(eos),
                          bool(_get(f, C.TOKENIZER_ADD_BOS, default_add_bos)), bool(_get(f, C.TOKENIZER_ADD_EOS, False)),
                          len(tokens), _get(f, C.TOKENIZER_CHAT_TEMPLATE), stop, list(tokens))
+
+
+def check_vocabulary(path, f: GGUFFile | dict, kind: Any, tokens: Any, types: np.ndarray) -> None:
+    """The tokenizer.ggml.* keys hold what a converter writes: a list of strings, per-token arrays of its length,
+    special ids inside it. A damaged one otherwise surfaced as an internal error (a zip() of unequal lengths)."""
+    def bad(what: str):
+        raise PinferError(f"{path}: {what}; the file's tokenizer.ggml.* metadata is damaged")
+
+    if not isinstance(kind, str):
+        bad(f"{C.TOKENIZER_MODEL} is {type(kind).__name__}, expected a string")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        bad(f"{C.TOKENIZER_TOKENS} is {type(tokens).__name__}, expected a non-empty list of strings")
+    if types.ndim != 1 or types.dtype.kind not in "iu" or len(types) != len(tokens):
+        bad(f"{C.TOKENIZER_TOKEN_TYPE} holds {types.size} {types.dtype} values for {len(tokens)} tokens")
+    scores = _get(f, C.TOKENIZER_SCORES)
+    if scores is not None and (not isinstance(scores, np.ndarray) or scores.dtype.kind not in "fiu"
+                               or scores.shape != (len(tokens),)):
+        bad(f"{C.TOKENIZER_SCORES} is not one number per token")
+    merges = _get(f, C.TOKENIZER_MERGES, [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        bad(f"{C.TOKENIZER_MERGES} is {type(merges).__name__}, expected a list of strings")
+    for key in (C.TOKENIZER_BOS_ID, C.TOKENIZER_EOS_ID, C.TOKENIZER_EOT_ID):
+        i = _get(f, key)
+        if i is not None and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                              or not 0 <= i < len(tokens)):
+            bad(f"{key} is {quote(i, 40)}, not the id of one of its {len(tokens)} tokens")
+    for key in (C.TOKENIZER_PRE, C.TOKENIZER_CHAT_TEMPLATE):
+        v = _get(f, key)
+        if v is not None and not isinstance(v, str):
+            bad(f"{key} is {type(v).__name__}, expected a string")
 
 
 def _library(path, build, *args) -> Tokenizer:

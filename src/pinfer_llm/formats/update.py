@@ -181,7 +181,7 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
     if size < 24:
         raise PinferError(f"{path}: not a GGUF file ({size} bytes is too short for a header)")
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-        f0 = parse_file(buf, path, size)
+        f0 = parse_file(buf, path, size, fd)
         if expect is not None and header_fingerprint(expect) != header_fingerprint(f0):
             raise PinferError(f"{path} was replaced by another model since it was read (its tensors differ); "
                               f"nothing was written: run the command again")
@@ -191,8 +191,9 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
         if f0.trailing == "unknown":
             raise PinferError(f"{path} has tensors of a type pinfer does not know, so it cannot tell where the "
                               f"model ends; write a copy with -o OUT")
-        have_dir = f0.trailing == "section"
-        current, _ = S.current_section(buf, path, size, f0.data_end) if have_dir else (None, [])
+        # a directory cut short (a truncated file) holds no slot to keep: it is written again, as on a first write
+        have_dir = f0.trailing == "section" and S.directory_intact(size, f0.data_end)
+        current, _ = S.current_section(buf, fd, path, size, f0.data_end) if have_dir else (None, [])
         raw_slots = S.read_slots(buf, S.dir_offset(f0.data_end)) if have_dir else [S.Slot(0, 0, 0, 0)] * 2
         content = merged_content(f0, current, **changes)
         _commit(fd, path, f0, size, have_dir, current, raw_slots, content, progress)
@@ -200,7 +201,7 @@ def _update_locked(fd: int, path: Path, expect: GGUFFile | None, changes: dict, 
     # old one is free: if a lower gap holds the (small) new one, write it there too and let the end go.
     size = os.fstat(fd).st_size
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-        current, _ = S.current_section(buf, path, size, f0.data_end)
+        current, _ = S.current_section(buf, fd, path, size, f0.data_end)
         if current is not None and current.nbytes <= COMPACT_MAX:
             raw_slots = S.read_slots(buf, S.dir_offset(f0.data_end))
             _commit(fd, path, f0, size, True, current, raw_slots, merged_content(f0, current), False, only_lower=True)
@@ -271,40 +272,45 @@ COMPACT_MAX = 64 << 20  # a section up to this size is moved down once more when
 
 
 def _place(fd: int, size: int, start: int, live: list[tuple[int, int]], nbytes: int):
-    """(offset, reserved ranges) for a new section of nbytes: the first page-aligned gap after `start` that the
-    current section does not use and no reader pins, else the end of the file."""
+    """(offset, reserved ranges) for a new section of nbytes: the first page-aligned free part after `start` that the
+    current section does not use and no reader pins, else the end of the file. A gap is searched around the pins
+    inside it (a reader holding an old section open kept every later write from reusing the dead bytes after it)."""
     page = C.SECTION_PAGE
     bounds = [start] + [x for r in live for x in r] + [None]
     for lo, hi in zip(bounds[0::2], bounds[1::2], strict=True):
-        lo = S.round_up(lo, page)
-        if hi is not None and hi - lo < nbytes:
-            continue
-        if hi is None and lo >= size:
-            break
-        if locks.reserve(fd, [(lo, lo + nbytes)]):
-            return lo, [(lo, lo + nbytes)]
+        top = size if hi is None else hi
+        for a, b in locks.free_parts(fd, lo, top):
+            a = S.round_up(a, page)
+            grows = hi is None and b == size  # the part reaches the end of the file, which may grow
+            if (b - a >= nbytes or grows) and locks.reserve(fd, [(a, a + nbytes)]):
+                return a, [(a, a + nbytes)]
     lo = S.round_up(max([size, start] + [r[1] for r in live]), page)
     return lo, [(lo, lo + nbytes)] if locks.reserve(fd, [(lo, lo + nbytes)]) else []
 
 
 def _reclaim(fd: int, start: int, live: list[tuple[int, int]]) -> None:
-    """Truncate the file after the last byte a section uses and punch holes in unused gaps, where nobody pins them."""
+    """Truncate the file after the last byte a section uses or a reader pins, and punch holes in every unused part
+    of the gaps between, around what readers pin."""
     size = os.fstat(fd).st_size
     end = max([start] + [hi for _, hi in live])
-    if size > end and locks.reserve(fd, [(end, size)]):
-        try:
-            os.ftruncate(fd, end)
-        finally:
-            locks.release(fd, [(end, size)])
+    if size > end:
+        tail = locks.free_parts(fd, end, size)
+        if tail and tail[-1][1] == size and locks.reserve(fd, [tail[-1]]):
+            try:
+                os.ftruncate(fd, tail[-1][0])
+            finally:
+                locks.release(fd, [tail[-1]])
     page = C.SECTION_PAGE
     bounds = [start] + [x for r in live for x in r] + [end]
-    for lo, hi in zip(bounds[0::2], bounds[1::2], strict=True):
-        lo, hi = S.round_up(lo, page), hi // page * page
-        if hi - lo >= page and locks.reserve(fd, [(lo, hi)]):
-            try:
-                _punch_hole(fd, lo, hi - lo)
-            finally:
-                locks.release(fd, [(lo, hi)])
+    gaps = [*zip(bounds[0::2], bounds[1::2], strict=True), (end, os.fstat(fd).st_size)]
+    for glo, ghi in gaps:
+        for lo, hi in locks.free_parts(fd, glo, ghi):
+            lo, hi = S.round_up(lo, page), hi // page * page
+            if hi - lo >= page and locks.reserve(fd, [(lo, hi)]):
+                try:
+                    _punch_hole(fd, lo, hi - lo)
+                finally:
+                    locks.release(fd, [(lo, hi)])
 
 
 _libc = None

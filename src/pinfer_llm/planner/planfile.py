@@ -23,8 +23,8 @@ import numpy as np
 
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.config import bounded_layers
-from pinfer_llm.formats.errors import PinferError
-from pinfer_llm.formats.gpuidx import gpuidx_path, write_gpuidx
+from pinfer_llm.formats.errors import PinferError, quote
+from pinfer_llm.formats.gpuidx import gpuidx_path, read_gpuidx, write_gpuidx
 from pinfer_llm.formats.header import GGUFFile
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.formats.update import store
@@ -124,25 +124,54 @@ def read_plan(f: GGUFFile, model: GGUFFile | None = None) -> StoredPlan:
                   if f.has(C.tensor(C.GPU_BUCKET, b)) else np.flatnonzero(mask).astype(np.int32))
         masks.append(mask)
         buckets.append(bucket)
-    if have is None:  # a foreign plan (PowerInfer's own .gpuidx): at least the neuron counts must agree
-        ffn = [C.tensor(C.FFN_UP, b) for b in range(n_layer)]
-        shapes = tensor_table(target)
-        for b, name in enumerate(ffn):
-            if name in shapes and shapes[name].shape[0] != len(masks[b]):
-                raise PinferError(f"{f.path}: the plan's layer {b} has {len(masks[b])} neurons, the model "
-                                  f"{shapes[name].shape[0]}; it was made for another model")
+    shapes = tensor_table(target)
+    for b in range(n_layer):
+        name = C.tensor(C.FFN_UP, b)
+        if name in shapes and shapes[name].shape[0] != len(masks[b]):
+            raise PinferError(f"{f.path}: the plan's layer {b} has {len(masks[b])} neurons, the model "
+                              f"{shapes[name].shape[0]}; it was made for another model")
     L = n_layer
     n_gpu = np.array([int(m.sum()) for m in masks])
+    check_consistent(f, masks, buckets, meta, n_gpu)
 
     def arr(key, default):
         v = meta.get(key)
-        return np.asarray(v, dtype=np.int64) if v is not None and len(v) == L else default
+        return np.asarray(v, dtype=np.int64) if v is not None else default
 
     ones = (n_gpu > 0).astype(np.int64)
     plan = Plan(str(meta.get(C.PLAN_OBJECTIVE, "stored")), arr(C.PLAN_ATTN_GPU, np.zeros(L, np.int64)),
                 arr(C.PLAN_PRED_GPU, np.zeros(L, np.int64)), arr(C.PLAN_FFN_GPU, ones), n_gpu,
                 int(meta.get(C.PLAN_OUTPUT_GPU, 0)))
     return StoredPlan(plan, masks, buckets, meta)
+
+
+def check_consistent(f: GGUFFile, masks: list[np.ndarray], buckets: list[np.ndarray], meta: dict,
+                     n_gpu: np.ndarray) -> None:
+    """A stored plan says one thing throughout: 0/1 masks, buckets that are their ones, per-layer keys of one entry
+    per layer, device codes of the GPUs it names. Read unchecked, an inconsistent one ran on wrong neurons or failed
+    inside the hybrid executor (3 of 11 hand-made ones under --gpu reference)."""
+    def bad(why: str):
+        raise PinferError(f"{f.path}: the stored plan is inconsistent ({why}); run pi-plan on the model again")
+
+    L = len(masks)
+    for b, (mask, bucket) in enumerate(zip(masks, buckets, strict=True)):
+        if mask.ndim != 1 or (mask.size and not np.isin(mask, (0, 1)).all()):
+            bad(f"layer {b}'s gpu_idx holds values other than 0 and 1")
+        if not np.array_equal(bucket, np.flatnonzero(mask)):
+            bad(f"layer {b}'s gpu_bucket is not the sorted indices of its GPU neurons")
+    n_gpus = max(len(meta.get(C.PLAN_GPUS, []) or []), 1)
+    for key in (C.PLAN_ATTN_GPU, C.PLAN_PRED_GPU, C.PLAN_FFN_GPU, C.PLAN_GPU_NEURONS, C.PLAN_SPLIT):
+        v = meta.get(key)
+        if v is None:
+            continue
+        if len(v) != L:
+            bad(f"{key} has {len(v)} entries for {L} layers")
+        if key in (C.PLAN_ATTN_GPU, C.PLAN_PRED_GPU, C.PLAN_FFN_GPU) and int(np.max(v, initial=0)) > n_gpus:
+            bad(f"{key} names GPU {int(np.max(v))} of {n_gpus}")
+    if C.PLAN_GPU_NEURONS in meta and not np.array_equal(np.asarray(meta[C.PLAN_GPU_NEURONS], np.int64), n_gpu):
+        bad(f"{C.PLAN_GPU_NEURONS} does not count the neurons its gpu_idx puts on the GPU")
+    if int(meta.get(C.PLAN_OUTPUT_GPU, 0)) > n_gpus:
+        bad(f"{C.PLAN_OUTPUT_GPU} names GPU {int(meta[C.PLAN_OUTPUT_GPU])} of {n_gpus}")
 
 
 def _n_layer(f: GGUFFile) -> int:
@@ -153,12 +182,40 @@ def _n_layer(f: GGUFFile) -> int:
         if n is None:
             raise PinferError(f"{f.path}: no {key}; not a model or plan file")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise PinferError(f"{f.path}: metadata '{key}' is {str(n)[:40]!r}, expected a layer count; the file is corrupt")
+        raise PinferError(f"{f.path}: metadata '{key}' is {quote(n, 40)}, expected a layer count; the file is corrupt")
     return bounded_layers(f, int(n), key)
 
 
+def sidecar_problem(f: GGUFFile) -> str | None:
+    """Why `f`'s <model>.generated.gpuidx is not the placement of the plan in `f`, or None (no sidecar, no plan, or
+    they agree): the plan records the sidecar it was exported with; without that record, their masks are compared."""
+    path = gpuidx_path(f.path)
+    if not path.is_file():
+        return None
+    try:
+        idx = read_gpuidx(path)
+    except PinferError as e:
+        return f"{path.name} cannot be read ({e}); PowerInfer would refuse it: run pi-plan --export-gpuidx again"
+    want = f.get(C.PLAN_GPUIDX)
+    if want is not None:
+        if idx.fingerprint == want:
+            return None
+    else:
+        masks = [f.raw(C.tensor(C.GPU_IDX, b)) for b in range(idx.n_layer) if f.has(C.tensor(C.GPU_IDX, b))]
+        if len(masks) < idx.n_layer or all(np.array_equal(a, b) for a, b in zip(masks, idx.gpu_idx, strict=True)):
+            return None
+    return (f"{path.name} is stale: it is not the placement of the plan stored in {Path(f.path).name} (a pi-plan run "
+            f"was interrupted between writing the two, or a later plan was made without --export-gpuidx); PowerInfer "
+            f"reads the sidecar: run pi-plan {Path(f.path).name} --export-gpuidx again")
+
+
 def copy_plan(src: str | os.PathLike, model: GGUFFile, dest: str | os.PathLike | None = None) -> Path:
-    """Put the plan stored in `src` (a planned model, skeleton or .gpuidx) into `model`, if it was made for it."""
+    """Put the plan stored in `src` (a planned model, skeleton or .gpuidx) into `model`, if it was made for it. The
+    model's own sidecar is refused when it is stale: applying it would bring back a plan the model replaced."""
+    if Path(src).resolve() == gpuidx_path(model.path).resolve():
+        stale = sidecar_problem(model)
+        if stale:
+            raise PinferError(stale)
     s = open_gguf(src)
     stored = read_plan(s, model)
     meta = dict(stored.meta)
@@ -177,4 +234,4 @@ def export_gpuidx(path: str | os.PathLike, masks: list[np.ndarray], buckets: lis
 
 
 __all__ = ["StoredPlan", "copy_plan", "export_gpuidx", "fingerprint", "gpuidx_path", "plan_metadata", "read_plan",
-           "write_plan"]
+           "sidecar_problem", "write_plan"]

@@ -17,8 +17,9 @@ from gguf.constants import GGMLQuantizationType as T
 
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.config import ModelConfig
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile
+from pinfer_llm.formats.reader import check_mappable
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import qops
 from pinfer_llm.runtime.ffn.dense import DenseFFN
@@ -33,7 +34,7 @@ from pinfer_llm.runtime.ffn.sparse import (
 )
 from pinfer_llm.runtime.linear import Embedding, Linear
 from pinfer_llm.runtime.model import BlockWeights, Norm, Transformer
-from pinfer_llm.runtime.weights import QWeight, quantize_like, qweight, runnable, vector
+from pinfer_llm.runtime.weights import QWeight, has_nonfinite, quantize_like, qweight, runnable, vector
 
 
 @dataclass
@@ -84,8 +85,8 @@ def check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
     for name, shape in expected_shapes(f, cfg).items():
         got = f.info(name).shape  # raises "missing tensor" with the file name
         if tuple(got) != shape:
-            raise PinferError(f"{f.path}: tensor '{name}' has shape {list(got)}, the metadata implies {list(shape)}; "
-                              f"the file is inconsistent")
+            raise PinferError(f"{f.path}: tensor {quote(name)} has shape {list(got)}, the metadata implies "
+                              f"{list(shape)}; the file is inconsistent")
 
 
 FFN_MODES = ("dense", "sparse", "oracle")
@@ -142,6 +143,7 @@ def ffn_rows(f: GGUFFile, cfg: ModelConfig, i: int, sparse: bool, load: Load) ->
 def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
     """One masker per layer for the sparse modes (see runtime/ffn/sparse.py)."""
     if mode == "sparse":
+        check_predictors(f, cfg)
         peaks = [vector(f, C.tensor(C.ACT_PEAK, i)) if f.has(C.tensor(C.ACT_PEAK, i)) else None
                  for i in range(cfg.n_layer)]
         return [PredictorMasker(p, outlier_neurons(pk))
@@ -156,6 +158,25 @@ def maskers(f: GGUFFile, cfg: ModelConfig, mode: str) -> list:
         raise PinferError(f"{f.path}: exact masks for a SwiGLU model need CATS thresholds; run "
                           f"`pi-profile {f.path.name} --sparsity 0.3` first, or run with --dense")
     return [CatsOracleMasker(float(thr)) for thr in thresholds]
+
+
+def check_predictors(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Each layer's predictor fits its layer (fc1 [r, n_embd], fc2 [n_ff, r]) and holds finite values: a NaN
+    predictor silently changed which neurons ran (the thresholds are checked where the file is read, formats/schema).
+    Predictors are a few percent of the FFN, so every value is checked."""
+    for i in range(cfg.n_layer):
+        n1, n2 = C.tensor(C.PRED_FC1, i), C.tensor(C.PRED_FC2, i)
+        if not (f.has(n1) and f.has(n2)):
+            continue  # load_predictors says which layer has none
+        s1, s2 = f.info(n1).shape, f.info(n2).shape
+        if len(s1) != 2 or len(s2) != 2 or s1[1] != cfg.n_embd or s2 != (cfg.n_ff, s1[0]):
+            raise PinferError(f"{f.path}: the predictor of layer {i} has fc1 {list(s1)} and fc2 {list(s2)}, but the "
+                              f"layer needs fc1 [r, {cfg.n_embd}] and fc2 [{cfg.n_ff}, r]; retrain it with "
+                              f"pi-profile --train-predictors")
+        for name in (n1, n2):
+            if has_nonfinite(qweight(f, name)):
+                raise PinferError(f"{f.path}: predictor tensor {quote(name)} holds values that are not finite (NaN "
+                                  f"or inf); retrain it with pi-profile --train-predictors")
 
 
 def optional_vector(f: GGUFFile, name: str):
@@ -203,14 +224,35 @@ def load_block(f: GGUFFile, cfg: ModelConfig, i: int, masker, load: Load) -> Blo
 
 def _matrices(tr: Transformer) -> list[QWeight]:
     """The weights the layers multiply by (the token embedding only decodes the rows it is asked for)."""
-    out = [*tr.output.ws]
-    for b in tr.blocks:
+    return [*tr.output.ws, *_block_matrices(tr.blocks)]
+
+
+def _block_matrices(blocks: list[BlockWeights]) -> list[QWeight]:
+    out = []
+    for b in blocks:
         out += [*b.wqkv.ws, *b.wo.ws]
         rows = b.ffn.rows if isinstance(b.ffn, DenseFFN) else b.ffn.w
         out += [w for w in (rows.gate, rows.up, rows.down_t) if w is not None]
         if isinstance(b.ffn, DenseFFN) and b.ffn.down is not None:
             out += b.ffn.down.ws
     return out
+
+
+CHECK_BYTES = 256 << 20  # weights up to this are checked for NaN/inf in full at load; more: every k-th row
+
+
+def check_finite(f: GGUFFile, weights: list[QWeight]) -> None:
+    """Refuse weights holding NaN or inf where they enter, not as garbage tokens later: NaN in five Q4_1 scales of a
+    gate gave finite logits and "thelessthelessthe...". Reads every row (every block scale) of models up to
+    CHECK_BYTES, rows at a stride beyond (a sampled check: ~50 ms for SmolLM2's 98 MB here, warm; a model 8x the
+    budget reads one row in 8)."""
+    unique = list({id(w.data): w for w in weights}.values())  # a tied output head is the embedding itself
+    total = sum(w.nbytes for w in unique)
+    stride = max(1, -(-total // CHECK_BYTES))
+    for w in unique:
+        if has_nonfinite(w, stride):
+            raise PinferError(f"{f.path}: tensor {quote(w.name)} holds values that are not "
+                              f"finite (NaN or inf): the model's weights are corrupt; download or convert it again")
 
 
 def _report(tr: Transformer, load: Load) -> None:
@@ -242,6 +284,27 @@ def _report(tr: Transformer, load: Load) -> None:
 KV_TYPES = {"f16": torch.float16, "f32": torch.float32}
 
 
+def context_bytes(cfg: ModelConfig, ctx: int, kv_type: str) -> int:
+    """What a context of `ctx` tokens allocates at load: the KV cache (K and V per layer) and the RoPE table (built
+    in float64 and complex128 before it is kept as complex64: 20 bytes per token and head dimension at its peak)."""
+    kv = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * KV_TYPES[kv_type].itemsize
+    return ctx * (kv + 20 * cfg.head_dim)
+
+
+def check_context_memory(cfg: ModelConfig, ctx: int, kv_type: str) -> None:
+    """A context the machine's memory cannot hold is one line before anything is allocated (-c 1000000000 failed
+    after 36 s with "can't allocate 64 GB")."""
+    from pinfer_llm.runtime.profiling.counting import available_ram_bytes
+
+    avail = available_ram_bytes()
+    need = context_bytes(cfg, ctx, kv_type)
+    if avail is not None and need > avail:
+        fits = max(avail // context_bytes(cfg, 1, kv_type), 0)
+        raise PinferError(f"a context of {ctx} tokens needs {need / 2**30:.1f} GiB (KV cache and RoPE table), more "
+                          f"than the {avail / 2**30:.1f} GiB of memory available; use a context of at most {fits} "
+                          f"tokens")
+
+
 def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mode: str = "dense",
                      progress=None, kv_type: str = "f16") -> tuple[Transformer, Load]:
     """ffn_mode: "dense"; "sparse" (predictors decide each token's neurons); "oracle" (exact masks).
@@ -250,6 +313,8 @@ def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mod
         raise PinferError(f"unknown FFN mode '{ffn_mode}' (choose {', '.join(FFN_MODES)})")
     if kv_type not in KV_TYPES:
         raise PinferError(f"unknown --kv-type '{kv_type}' (one of {', '.join(KV_TYPES)})")
+    check_context_memory(cfg, max_ctx, kv_type)
+    check_mappable(f)
     check_shapes(f, cfg)
     masks = maskers(f, cfg, ffn_mode) if ffn_mode != "dense" else [None] * cfg.n_layer
     load = Load()
@@ -260,7 +325,9 @@ def load_transformer(f: GGUFFile, cfg: ModelConfig, max_ctx: int = 4096, ffn_mod
             progress(i + 1, cfg.n_layer)
     out_name = C.TOKEN_EMBD if cfg.tied_embeddings else C.OUTPUT
     pos = Embedding(qweight(f, C.POS_EMBD)) if cfg.arch == "opt" else None
-    tr = Transformer(cfg, blocks, Embedding(qweight(f, C.TOKEN_EMBD)), norm(f, cfg, C.OUTPUT_NORM, C.OUTPUT_NORM_B),
-                     Linear([matrix(f, out_name, load)]), max_ctx, pos, KV_TYPES[kv_type])
+    embed, output = Embedding(qweight(f, C.TOKEN_EMBD)), Linear([matrix(f, out_name, load)])
+    check_finite(f, [*output.ws, embed.w, *_block_matrices(blocks)] + ([pos.w] if pos is not None else []))
+    tr = Transformer(cfg, blocks, embed, norm(f, cfg, C.OUTPUT_NORM, C.OUTPUT_NORM_B), output, max_ctx, pos,
+                     KV_TYPES[kv_type])
     _report(tr, load)
     return tr, load

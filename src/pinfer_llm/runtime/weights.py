@@ -16,7 +16,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, tensor_nbytes
 
 # Types pinfer's C++ kernels read in place; every other readable type is dequantised (gguf.quants) to a float copy.
@@ -92,7 +92,7 @@ def check_type(f: GGUFFile, name: str) -> T:
         qt = None
     if qt not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(x.name for x in SUPPORTED_TYPES))
-        raise PinferError(f"{f.path}: tensor '{name}' has type {t.type_name}, which pinfer cannot run "
+        raise PinferError(f"{f.path}: tensor {quote(name)} has type {t.type_name}, which pinfer cannot run "
                           f"(supported: {supported}); requantize the model with llama-quantize")
     return qt
 
@@ -102,7 +102,7 @@ def qweight(f: GGUFFile, name: str) -> QWeight:
     qt = check_type(f, name)
     t = f.info(name)
     if len(t.shape) != 2:
-        raise PinferError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected a matrix; the file is "
+        raise PinferError(f"{f.path}: tensor {quote(name)} has shape {list(t.shape)}, expected a matrix; the file is "
                           f"inconsistent")
     rows, cols = t.shape
     row_bytes = tensor_nbytes((cols,), int(qt))
@@ -120,7 +120,11 @@ def vector(f: GGUFFile, name: str) -> torch.Tensor:
         a = raw
     else:
         a = quants.dequantize(raw, qt)
-    return torch.from_numpy(np.array(a, dtype=np.float32).reshape(f.info(name).shape))
+    out = np.array(a, dtype=np.float32).reshape(f.info(name).shape)
+    if not np.isfinite(out).all():  # norms, biases, statistics: small, so every value is checked
+        raise PinferError(f"{f.path}: tensor {quote(name)} holds values that are not finite (NaN or inf): the "
+                          f"model's weights are corrupt; download or convert it again")
+    return torch.from_numpy(out)
 
 
 def q8_0_bytes(a: torch.Tensor) -> torch.Tensor:
@@ -202,3 +206,24 @@ def quantize_like(a: torch.Tensor, qtype: T, name: str) -> QWeight:
         raw = quants.quantize(arr, qtype)
     raw = np.ascontiguousarray(raw).reshape(arr.shape[0], -1)
     return QWeight(name, qtype, arr.shape[0], arr.shape[1], torch.from_numpy(raw))
+
+
+# Per block type: (bytes per block, offsets of its f16 scales). A block's values are integers times these (plus a
+# min for the _1 and K types), so they are all finite exactly when its scales are.
+_SCALES = {T.Q4_0: (18, (0,)), T.Q4_1: (20, (0, 2)), T.Q8_0: (34, (0,)), T.Q5_0: (22, (0,)), T.Q5_1: (24, (0, 2)),
+           T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
+
+
+def has_nonfinite(w: QWeight, stride: int = 1) -> bool:
+    """Whether the weight holds NaN or inf: its float values, or its blocks' f16 scales (for the block types), in
+    every `stride`-th row."""
+    a = w.data[::stride].numpy()
+    if w.qtype in (T.F32, T.F16, T.BF16):
+        bits = a.view(np.uint32 if w.qtype == T.F32 else np.uint16)
+        exp = {T.F32: 0x7F800000, T.F16: 0x7C00, T.BF16: 0x7F80}[w.qtype]
+        return bool(((bits & exp) == exp).any())
+    if w.qtype not in _SCALES:
+        return not bool(np.isfinite(w.dequantize(slice(None, None, stride))).all())
+    size, offsets = _SCALES[w.qtype]
+    halves = a.view(np.uint16).reshape(-1, size // 2)  # every block size is even, and rows are whole blocks
+    return any(bool((np.bitwise_and(halves[:, o // 2], 0x7C00) == 0x7C00).any()) for o in offsets)

@@ -1,0 +1,174 @@
+"""Bad values on the command line (issue #27 item 7): every numeric option finite and in range, prompt files that
+are directories or binary, prompts that are not UTF-8, contexts beyond memory: one line each, before any work."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from pinfer_llm.cli import plan as plan_cli
+from pinfer_llm.cli import profile as profile_cli
+from pinfer_llm.cli import run as run_cli
+from pinfer_llm.cli import serve as serve_cli
+from tests.tiny import write_tiny
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("values")
+    write_tiny(d / "m.gguf")
+    (d / "bin.txt").write_bytes(bytes(range(256)) * 4)
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _sixteen_gib(monkeypatch):
+    """The context checks read MemAvailable: the same 16 GiB on every machine that runs the suite."""
+    from pinfer_llm.runtime.profiling import counting
+
+    monkeypatch.setattr(counting, "available_ram_bytes", lambda: 16 << 30)
+
+
+def one_line(app, argv, prog, *needles):
+    res = runner.invoke(app, [str(a) for a in argv])
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "other processes keep" not in ln]
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), res.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+RUN = [
+    (["--repeat-penalty", "1e-300"], "--repeat-penalty must be from 0.001 to 1000 (1: off), got 1e-300"),
+    (["--repeat-penalty", "1e300"], "--repeat-penalty must be from 0.001 to 1000"),
+    (["-c", "1000000000"], "a context of 1000000000 tokens needs 536.4 GiB (KV cache and RoPE table), more than the "
+                           "16.0 GiB of memory available; use a context of at most 29826161 tokens"),
+    (["-f", "DIR"], "is a directory, not a prompt file"),
+    (["-f", "DIR/bin.txt"], "a binary file (it holds NUL bytes), not text"),
+    (["-f", "DIR/latin1.txt"], "not UTF-8 text (byte 0xe9 at offset 3)"),
+    (["-p", "\udcff"], "-p is not valid UTF-8 (byte 0xff at character 0)"),
+    (["-p", "hi", "-sys", "x\udce9"], "-sys is not valid UTF-8 (byte 0xe9 at character 1)"),
+    (["--perplexity", "DIR"], "is a directory, not a text file for --perplexity"),
+    (["--perplexity", "DIR/bin.txt"], "a binary file (it holds NUL bytes)"),
+]
+
+
+@pytest.mark.parametrize("args,want", RUN, ids=[" ".join(a) for a, _ in RUN])
+def test_pi_run_values(model, args, want):
+    args = [a.replace("DIR", str(model)) for a in args]
+    prompt = [] if any(a in args for a in ("-f", "-p", "--perplexity")) else ["-p", "hi"]
+    one_line(run_cli.app, [model / "m.gguf", *prompt, "-n", "2", *args], "pi-run", want)
+
+
+def test_pi_run_reads_stdin_that_is_not_utf8_as_one_line(model):
+    res = runner.invoke(run_cli.app, [str(model / "m.gguf"), "-n", "2"], input=b"\xff\xfe hello")
+    assert res.exit_code == 1 and res.stderr.strip().endswith("stdin is not UTF-8 text (byte 0xff at offset 0); "
+                                                               "pipe UTF-8 text"), res.output
+
+
+PROFILE = [
+    (["-t", "-1"], "-t/--threads must be at least 1, got -1"),
+    (["--seed", "-1"], "--seed must be from 0 to 4294967295, got -1"),
+    (["--steps", "-5"], "--steps must be at least 0, got -5"),
+    (["--sample-tokens", "-5"], "--sample-tokens must be at least 1, got -5"),
+    (["--ctx", "1000000000"], "a context of 1000000000 tokens needs"),
+]
+
+
+@pytest.mark.parametrize("args,want", PROFILE, ids=[" ".join(a) for a, _ in PROFILE])
+def test_pi_profile_values(model, tmp_path, args, want):
+    one_line(profile_cli.app, [model / "m.gguf", "--sparsity", "0.3", "--tokens", "30", "-o", tmp_path / "o.gguf",
+                               *args], "pi-profile", want)
+
+
+def test_pi_profile_export_into_a_directory_it_cannot_write(model, tmp_path, monkeypatch):
+    """--export-activations into a read-only directory was an internal error (PermissionError from mkdtemp). The
+    suite runs as root, for whom every directory is writable: the refusal is simulated at the two places it comes
+    from."""
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(ro) else real_access(p, mode))
+    one_line(profile_cli.app, [model / "m.gguf", "--export-activations", ro / "act"], "pi-profile",
+             f"cannot export into {ro / 'act'}: the directory {ro} is not writable")
+    monkeypatch.setattr(os, "access", real_access)
+    import tempfile
+
+    def read_only(*a, **kw):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    import numpy as np
+
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    update_model(model / "m.gguf", set_metadata={C.ACT_TOKENS: np.uint64(10)},
+                 set_tensors={C.tensor(C.ACT_COUNTS, i): np.ones(160, np.float32) for i in range(2)})
+    one_line(profile_cli.app, [model / "m.gguf", "--export-activations", ro / "act"], "pi-profile",
+             f"cannot export into {ro / 'act'}: Read-only file system")
+
+
+HOST = ["--cpu-cores", "2", "--cpu-bw", "20", "--host-ram", "16"]
+PLAN = [
+    (["--vram-budget", "nan"], "--vram-budget must be a finite number above 0, got nan"),
+    (["--host-ram", "nan"], "--host-ram must be a finite number above 0, got nan"),
+    (["--pcie-bw", "nan"], "--pcie-bw must be a finite number above 0, got nan"),
+    (["--cpu-bw", "nan"], "--cpu-bw must be a finite number above 0, got nan"),
+    (["--pcie-bw", "inf"], "--pcie-bw must be a finite number above 0, got inf"),
+    (["--cpu-bw", "inf"], "--cpu-bw must be a finite number above 0, got inf"),
+    (["--time-limit", "nan"], "--time-limit must be a finite number above 0, got nan"),
+    (["--cpu-cores", "1000000000"], "--cpu-cores must be from 1 to 4096, got 1000000000"),
+    (["--act-tokens", "-5"], "--act-tokens must be at least 1, got -5"),
+]
+
+
+@pytest.mark.parametrize("cmd", ["plan", "compare"])
+@pytest.mark.parametrize("args,want", PLAN, ids=[" ".join(a) for a, _ in PLAN])
+def test_pi_plan_values(model, cmd, args, want):
+    names = {a for a in args if a.startswith("--")}
+    host = [x for i, x in enumerate(HOST) if HOST[i - (i % 2)] not in names]
+    one_line(plan_cli.app, [cmd, model / "m.gguf", "--gpu", "rtx4090", *host, *args]
+             + (["--dry-run"] if cmd == "plan" else []), "pi-plan", want)
+
+
+@pytest.mark.parametrize("args,want", [(["--seed", "-1"], "--seed must be from 0 to 4294967295, got -1"),
+                                       (["--tokens", "-1"], "--tokens must be at least 1, got -1")])
+def test_pi_plan_skeleton_values(tmp_path, args, want):
+    one_line(plan_cli.app, ["skeleton", "llama2-7b", "-o", tmp_path / "s.gguf", *args], "pi-plan", want)
+    assert not (tmp_path / "s.gguf").exists()
+
+
+def test_a_context_beyond_memory_is_refused_before_anything_is_allocated(monkeypatch):
+    """-c 1000000000 failed after 36 s with "can't allocate 64 GB" (pi-run, pi-profile --ctx, pi-serve -c): the
+    KV cache and RoPE table are sized from the config before either exists. Here with 1 MiB "available", so that
+    the load the check stops would allocate only ~57 MB if the check were gone."""
+    from pinfer_llm.formats.errors import PinferError
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.runtime.loader import context_bytes, load_transformer
+    from pinfer_llm.runtime.profiling import counting
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config()
+    assert context_bytes(cfg, 1, "f16") == 2 * 2 * 2 * 16 * 2 + 20 * 16  # K and V, 2 layers x 2 heads x 16 dims
+    monkeypatch.setattr(counting, "available_ram_bytes", lambda: 1 << 20)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny(Path(d) / "m.gguf")
+        f = open_gguf(Path(d) / "m.gguf")
+        with pytest.raises(PinferError, match="a context of 100000 tokens needs 0.1 GiB .* more than the 0.0 GiB of "
+                                              "memory available; use a context of at most 1820 tokens"):
+            load_transformer(f, cfg, max_ctx=100_000)
+        load_transformer(f, cfg, max_ctx=1000)
+
+
+def test_pi_serve_context_beyond_memory(model):
+    one_line(serve_cli.app, [model / "m.gguf", "-c", "1000000000", "--port", "0"], "pi-serve",
+             "a context of 1000000000 tokens needs")
