@@ -546,6 +546,38 @@ struct DecodeStep : torch::CustomClassHolder {
     return logits;
   }
 
+  // x [1, d], the residual entering layer l0 -> the residual leaving layer l1 - 1, no head: the layers an executor
+  // runs on the CPU between parts it runs elsewhere
+  at::Tensor run_layers(const at::Tensor& x, int64_t pos, int64_t l0, int64_t l1) {
+    check_f32(x, "x");
+    TORCH_CHECK(x.numel() == shape.d, "x: [1, d]");
+    TORCH_CHECK(0 <= l0 && l0 <= l1 && l1 <= (int64_t)layers.size(), "layers [", l0, ", ", l1, ") out of range");
+    for (int64_t l = l0; l < l1; ++l) TORCH_CHECK(pos >= 0 && pos < layers[l].ctx, "position outside the cache");
+    at::Tensor out = x.clone().view({1, shape.d});
+    decode_layers(shape, layers, l0, l1, rope.data_ptr<float>() + pos * shape.D, pos, out.data_ptr<float>(),
+                  active.data(), sc);
+    return out;
+  }
+
+  // Layer l's FFN for one token's normed input xf [1, d] over the neurons idx only (int64, any order, no duplicates):
+  // the part of a layer an executor leaves the CPU (the hybrid's CPU rows). The layer's FFN must be neuron-major
+  // (kinds 1 and 2). -> (y [1, d] without the down bias, nonzero activations)
+  std::tuple<at::Tensor, int64_t> ffn_subset(int64_t l, const at::Tensor& xf, const at::Tensor& idx) {
+    TORCH_CHECK(0 <= l && l < (int64_t)layers.size(), "layer ", l, " out of range");
+    const LayerStep& L = layers[l];
+    TORCH_CHECK(L.kind != FFN_MM, "ffn_subset: layer ", l, " has no neuron-major rows (ffn_down_t)");
+    check_f32(xf, "xf");
+    TORCH_CHECK(xf.numel() == shape.d, "xf: [1, d]");
+    TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.is_contiguous(), "idx: contiguous int64 [k]");
+    check_ids(idx.data_ptr<int64_t>(), idx.numel(), L.up.rows, "idx");
+    FFN q;
+    q.x = xf.data_ptr<float>(), q.T = 1, q.d = shape.d, q.gate = L.gate, q.up = L.up, q.down_t = L.down;
+    q.idx = idx.data_ptr<int64_t>(), q.k = idx.numel(), q.act = L.act, q.up_bias = L.up_bias, q.cats = L.cats;
+    at::Tensor y = at::empty({1, shape.d}, xf.options());
+    const int64_t nz = ffn_sparse(q, y.data_ptr<float>());
+    return {y, nz};
+  }
+
   // the nonzero (token, neuron) pairs per layer since the last call (and resets them)
   at::Tensor take_active() {
     at::Tensor out = at::empty({(int64_t)active.size()}, at::TensorOptions().dtype(at::kLong));
@@ -595,6 +627,8 @@ TORCH_LIBRARY(PINFER_NS, m) {
       .def("set_predictor", &DecodeStep::set_predictor)
       .def("set_output", &DecodeStep::set_output)
       .def("run", &DecodeStep::run)
+      .def("run_layers", &DecodeStep::run_layers)
+      .def("ffn_subset", &DecodeStep::ffn_subset)
       .def("take_active", &DecodeStep::take_active);
   m.def("isa() -> str", &isa_op);
   m.def("gemm_min_t() -> int", &gemm_min_t_op);
