@@ -26,6 +26,7 @@ import torch
 
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import qops
+from pinfer_llm.runtime.ffn import ops as ffn_ops
 from pinfer_llm.runtime.ffn.dense import DenseFFN
 from pinfer_llm.runtime.ffn.sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN
 
@@ -52,8 +53,8 @@ def _ffn_args(b) -> tuple | None:
         if len(ffn.down.ws) != 1 or not qops.kernels_for(r.gate, r.up, *ffn.down.ws):
             return None
         return FFN_MM, r, ffn.down.ws[0], 0.0, None
-    if type(ffn) is not SparseFFN or not ffn.w.kernels:
-        return None
+    if type(ffn) is not SparseFFN or not ffn.w.kernels or ffn_ops.KERNEL_MAX_T < 1:
+        return None  # KERNEL_MAX_T < 1: the forward masks and computes in torch (tests compare the two)
     r, m = ffn.w, ffn.masker
     if type(m) is PredictorMasker:
         return (FFN_PRED, r, r.down_t, 0.0, m) if m.pred.kernel_args() is not None else None
