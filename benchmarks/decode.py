@@ -17,6 +17,9 @@ Two llama.cpps: llama-cpp-python (pip install 'pinfer-llm[bench]') drives llama.
 as this script drives pinfer; `--llama-bench PATH` also runs llama.cpp's own C++ benchmark (llama-bench, text
 generation of --tokens tokens after an empty prompt, one repetition per round), which has no Python in its loop.
 This script never builds llama.cpp; without --llama-bench it says so.
+
+`--forward` adds pinfer with its fused decode step off (PINFER_DECODE_STEP=0: every token through the Python forward,
+runtime/cpu/step.py), so the step's own gain is a paired ratio of the same run.
 """
 
 from __future__ import annotations
@@ -120,10 +123,13 @@ def run_llama_bench(args) -> dict:
 def run_worker(engine: str, args) -> dict:
     if engine == "llama-bench":
         return run_llama_bench(args)
-    cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(args.threads),
+    env = dict(os.environ)
+    if engine == "pinfer-forward":
+        env["PINFER_DECODE_STEP"] = "0"
+    cmd = [sys.executable, __file__, "--worker", engine.split("-")[0], "--model", args.model, "--threads", str(args.threads),
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--prefill", str(args.prefill),
            "--depth", str(args.depth)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -142,6 +148,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary, to run beside the others "
                     "(never built by this script)")
+    ap.add_argument("--forward", action="store_true", help="also run pinfer without its fused decode step")
     ap.add_argument("--worker", choices=["pinfer", "llamacpp"], help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -155,7 +162,7 @@ def main() -> None:
     from pinfer_llm.runtime.engine import resolve_model_path
 
     args.model = str(resolve_model_path(args.model))
-    engines, missing = ["pinfer"], {}
+    engines, missing = ["pinfer", *(["pinfer-forward"] if args.forward else [])], {}
     try:
         import llama_cpp  # noqa: F401
 
@@ -209,10 +216,11 @@ def main() -> None:
         print(json.dumps(summary, indent=2))
         return
     names = {"llamacpp": "llama.cpp via llama-cpp-python (per-token Python loop)",
-             "llama-bench": "llama.cpp's llama-bench (C++ loop)"}
+             "llama-bench": "llama.cpp's llama-bench (C++ loop)",
+             "pinfer-forward": "pinfer without its fused decode step (the Python forward per token)"}
     print(f"RESULT: pinfer / llama.cpp decode speed, median of per-round paired ratios over {args.rounds} rounds "
           f"({Path(args.model).name}, {args.threads} threads, {args.tokens} tokens):")
-    for e in ("llamacpp", "llama-bench"):
+    for e in ("llamacpp", "llama-bench", *(["pinfer-forward"] if args.forward else [])):
         if e in paired:
             v = summary["paired_decode_ratio"][e]
             print(f"  vs {names[e]}: {v['median']:.2f}x  (per round: {', '.join(f'{x:.2f}' for x in v['per_round'])})")

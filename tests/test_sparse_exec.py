@@ -61,6 +61,7 @@ def test_oracle_kernel_path_counts_like_the_masks(planted, monkeypatch):
     monkeypatch.setattr(ffn_sparse, "ffn_exact", lambda *a: calls.append(1) or real(*a))
     ids = list(np.random.default_rng(3).integers(3, 250, 20))
     fast = load_model(planted, ffn_mode="oracle", kv_type="f32")
+    fast.transformer.use_step = False  # the forward's own kernel path (the fused step: tests/test_decode_step.py)
     got = decode_logits(fast, ids, 2)
     assert len(calls) >= len(ids) - 2  # every decode step (and the 2-token prefill) took the kernel path
     monkeypatch.setattr(S, "KERNEL_MAX_T", 0)

@@ -23,6 +23,7 @@ rotates the half-split pairs (NeoX order). OPT has no rotary embedding.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.config import ModelConfig
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+from pinfer_llm.runtime.cpu import step as cpu_step
 from pinfer_llm.runtime.linear import Embedding, Linear
 
 
@@ -117,6 +119,11 @@ class Transformer:
         # norms and decode attention are one C++ call each (runtime/cpu/csrc) when the kernels are built
         self.fused = cpu_kernels.available()
         self.rope_cs = torch.view_as_real(self.freqs)  # (cos, sin) pairs [max_pos, head_dim/2, 2] for the C++ op
+        # one token's pass through every layer as one C++ call (runtime/cpu/step.py), built on the first decode step;
+        # use_step=False runs every token through the Python forward below (the reference)
+        self.use_step = True
+        self._step: cpu_step.DecodeStep | None = None
+        self._no_step_sig: list | None = None  # the blocks for which build() said no, not to ask again each token
 
     @property
     def max_ctx(self) -> int:
@@ -125,12 +132,28 @@ class Transformer:
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
         """tokens [T] at positions pos..pos+T-1 -> logits [T, vocab] (or [1, vocab] for the last token only)."""
         x = self.embed(tokens, pos)  # (T, d) float32
+        if x.shape[0] == 1 and self.use_step and (step := self.decode_step()) is not None:
+            return step(x, pos)
         for li, b in enumerate(self.blocks):
             xf, resid, x = self.attend(li, b, x, pos)
             x = x + self.ffn(b, xf, resid)
         if not all_logits:
             x = x[-1:]
         return self.output(self.norm(x, self.output_norm))
+
+    def decode_step(self) -> cpu_step.DecodeStep | None:
+        """The fused decode step for the blocks as they are now (rebuilt when a block's FFN or attention object was
+        replaced, e.g. by the hybrid executor or a profiler's wrapper), or None where it does not apply."""
+        st = self._step
+        if st is not None and st.matches(self.blocks):
+            return st
+        self._step = None
+        sig = cpu_step.signature(self)
+        if self._no_step_sig is not None and all(map(operator.is_, sig, self._no_step_sig)):
+            return None
+        self._step = cpu_step.build(self)
+        self._no_step_sig = sig if self._step is None else None
+        return self._step
 
     def embed(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         x = self.tok_embd(tokens)

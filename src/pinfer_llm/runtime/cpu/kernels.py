@@ -44,7 +44,7 @@ import torch
 
 SRC_DIR = Path(__file__).with_name("csrc")
 KERNEL_SOURCES = ("dot.cpp", "matmul.cpp", "sparse_ffn.cpp", "predictor.cpp", "attention.cpp", "norm.cpp",
-                  "device_layout.cpp", "requant.cpp")
+                  "device_layout.cpp", "requant.cpp", "step.cpp")
 TORCH_SOURCES = ("torch_bridge.cpp", "ops.cpp")  # the two files that include torch's headers (slow to compile)
 HEADERS = ("simd.h", "quant.h", "kernels.h")
 NAMESPACE = "pinfer"  # torch.ops.pinfer: the runtime's build
@@ -362,4 +362,17 @@ def _smoke(lib: str, ns: str) -> None:
         rope = torch.tensor([[1.0, 0.0]] * 8)
         out = ops.attend_decode(torch.randn(1, 8 * 16, generator=g), rope, kc, vc, 0, 4, 2, 0.25)
         assert out.shape == (1, 64) and torch.isfinite(out).all()
+    wg, wu, wd = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(64, 32, generator=g)
+    h = torch.nn.functional.silu(x[:3] @ wg.T) * (x[:3] @ wu.T)
+    close(ops.ffn_mm(x[:3], wg, 0, wu, 0, wd, 0, 0, None), h @ wd.T, 1e-4)
+    # the decode step: one llama layer and the head, f16 cache (its exactness: tests/test_decode_step.py)
+    step = getattr(torch.classes, ns).DecodeStep(64, 4, 2, 0.25, False, torch.tensor([[[1.0, 0.0]] * 8] * 8))
+    kc, vc = torch.zeros(2, 8, 16, dtype=torch.float16), torch.zeros(2, 8, 16, dtype=torch.float16)
+    ones = torch.ones(64)
+    step.add_attention(ones, None, 1e-5, False, [torch.randn(128, 64, generator=g)], [0], None,
+                       [torch.randn(64, 64, generator=g)], [0], None, kc, vc, False)
+    step.set_ffn_norm(ones, None, 1e-5, False)
+    step.set_ffn(0, wg, 0, wu, 0, wd, 0, 0, None, 0.0, None)
+    step.set_output(ones, None, 1e-5, False, [torch.randn(10, 64, generator=g)], [0])
+    assert step.run(x[:1], 0).shape == (1, 10) and torch.isfinite(step.run(x[1:2], 1)).all()
     print(ops.isa())

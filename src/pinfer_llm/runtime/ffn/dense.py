@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pinfer_llm.runtime.cpu import qops
 from pinfer_llm.runtime.ffn.ops import FFNRows, activate, ffn_dense
 from pinfer_llm.runtime.linear import Linear
 
@@ -33,4 +34,11 @@ class DenseFFN:
         """x: the ffn_norm output [T, d]; residual (the pre-norm input, which predictors read) is unused here."""
         if self.down is None:
             return ffn_dense(self.rows, x)
+        r = self.rows
+        if len(self.down.ws) == 1 and qops.kernels_for(r.gate, r.up, *self.down.ws):
+            # one C++ call, the one the decode step (runtime/cpu/step.py) makes, so the two agree to the bit
+            d = self.down.ws[0]
+            return torch.ops.pinfer.ffn_mm(x.float().contiguous(), None if r.gate is None else r.gate.data,
+                                           0 if r.gate is None else int(r.gate.qtype), r.up.data, int(r.up.qtype),
+                                           d.data, int(d.qtype), r.code, r.up_bias)
         return self.down(self.hidden(x))

@@ -86,13 +86,22 @@ class Predictor:
         type without one): then use mask(). With fc2_t the second layer adds the rows of the hidden units that ReLU
         keeps (about half): it reads about half of fc2's bytes, in long rows (measured on planted OPT, 12 layers of
         8192 x 128: 2.0 -> 1.4 ms per token)."""
+        k = self.kernel_args()
+        if k is None:
+            return None
+        (w1, t1), (w2, t2), transposed = k
+        return torch.ops.pinfer.qpredict_active(x.float().contiguous(), w1, t1, w2, t2, self.threshold, always,
+                                                transposed)
+
+    def kernel_args(self) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int], bool] | None:
+        """((fc1 bytes, type), (fc2 or fc2_t bytes, type), fc2 transposed) as qpredict_active and the decode step
+        (runtime/cpu/step.py) take them, or None where the kernels cannot read them."""
         if self.fc2_t is None and self.fc2_t_source is not None:
             self.fc2_t = self.fc2_t_source()
         k1, k2 = _kernel_view(self.fc1), _kernel_view(self.fc2_t if self.fc2_t is not None else self.fc2)
         if not (qops.available() and k1 and k2):
             return None
-        return torch.ops.pinfer.qpredict_active(x.float().contiguous(), k1[0], k1[1], k2[0], k2[1], self.threshold,
-                                                always, self.fc2_t is not None)
+        return k1, k2, self.fc2_t is not None
 
 
 _KERNEL_DTYPES = {torch.float32: int(T.F32), torch.float16: int(T.F16)}

@@ -113,4 +113,63 @@ void attend_decode(const float* qkv, const float* rope, KV* k_cache, KV* v_cache
 void rms_norm(const float* x, const float* w, int64_t T, int64_t d, float eps, float* y);
 void layer_norm(const float* x, const float* w, const float* b, int64_t T, int64_t d, float eps, float* y);
 
+// --- step.cpp --------------------------------------------------------------------------------------------------------
+// The FFN's hidden activation from a neuron's pre-activations (gate g, up u with its bias): the one definition the
+// dense FFN (ffn_mm) and the decode step use.
+float ffn_act(int act, float g, float u);
+// The dense FFN over a file's gate/up and ffn_down [d, n_ff]: qmatmul(x, [gate, up]), act, qmatmul(h, [down]).
+// x [T, d], y [T, d] (overwritten). gate.p == nullptr for gate-less activations; up_bias [n_ff] or nullptr.
+void ffn_mm(const float* x, int64_t T, int64_t d, const Mat& gate, const Mat& up, const Mat& down, int act,
+            const float* up_bias, float* y);
+
+struct NormW {
+  const float* w = nullptr;
+  const float* b = nullptr;  // LayerNorm's bias or nullptr
+  float eps = 0.f;
+  bool layer = false;  // LayerNorm (else RMSNorm)
+};
+void apply_norm(const NormW& n, const float* x, int64_t T, int64_t d, float* y);
+
+// How a layer's FFN runs in the step, as the Python forward runs it (runtime/ffn/*.py):
+// FFN_MM: DenseFFN over ffn_down (ffn_mm); FFN_ROWS: qffn_sparse over every neuron (DenseFFN on PowerInfer's
+// ffn_down_t, and the exact masks: ReLU-family by their gates, SwiGLU by cats); FFN_PRED: the predictor's indices, then
+// qffn_sparse over them.
+enum FfnKind : int { FFN_MM = 0, FFN_ROWS = 1, FFN_PRED = 2 };
+struct LayerStep {
+  NormW attn_norm, ffn_norm;
+  bool ffn_norm_shared = false;  // falcon 7B: the FFN reads attention's normed input
+  bool parallel = false;         // falcon: x + attn(norm_a x) + ffn(norm_f x)
+  std::vector<Mat> qkv, wo;
+  const float* bqkv = nullptr;
+  const float* bo = nullptr;
+  void* k_cache = nullptr;  // [Hkv, ctx, D], float or IEEE half
+  void* v_cache = nullptr;
+  bool kv_half = true;
+  int64_t ctx = 0;
+  int kind = FFN_MM;
+  Mat gate, up, down;  // down: ffn_down [d, n_ff] for FFN_MM, ffn_down_t [n_ff, d] otherwise
+  int act = 0;
+  const float* up_bias = nullptr;
+  float cats = 0.f;
+  Mat fc1, fc2;  // FFN_PRED
+  bool fc2_transposed = false;
+  float threshold = 0.f;
+  std::vector<int64_t> always;
+  const float* ffn_bias = nullptr;  // [d], opt's down bias
+};
+struct StepShape {
+  int64_t d = 0, H = 0, Hkv = 0, D = 0;
+  float scale = 1.f;
+  bool neox = false;
+};
+// Scratch of one step, sized once per model (grown on first use).
+struct StepScratch {
+  std::vector<float> xa, xf, qkv, heads, y, f;
+};
+// One token through the layers [l0, l1): x [d] is the residual stream, updated in place; rope [D/2, 2] this position's
+// (cos, sin); active[l] = the layer's nonzero (token, neuron) pairs (FFN_MM: n_ff). Each op is the kernel the Python
+// forward calls for one token, in its order, so the result is the same bits.
+void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int64_t l0, int64_t l1, const float* rope,
+                   int64_t pos, float* x, int64_t* active, StepScratch& sc);
+
 }  // namespace pinfer

@@ -53,11 +53,18 @@
 // requant_q4_1(Tensor rows, int cols) -> Tensor
 //     uint8 [n, cols / 32 * 20]: Q4_K rows [n, cols / 256 * 144] as Q4_1 blocks (requant.cpp: each sub-block's scale
 //     and min rounded to f16, the nibbles repacked).
+// ffn_mm(Tensor x, Tensor? gate, int gate_type, Tensor up, int up_type, Tensor down, int down_type, int act,
+//        Tensor? up_bias) -> Tensor
+//     The dense FFN of x [T, d] over a file's gate, up [n_ff, *] and ffn_down [d, n_ff]: qmatmul(x, [gate, up]), the
+//     activation (act as qffn_sparse's; up_bias added to u), qmatmul(h, [down]). What DenseFFN and the step run.
+// class DecodeStep (torch.classes.<ns>.DecodeStep): one token through every layer and the output head in one call;
+//     runtime/cpu/step.py builds it (its docstring has the methods) and holds the tensors it points into.
 // isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
 // gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -351,6 +358,235 @@ at::Tensor requant_q4_1_op(const at::Tensor& rows, int64_t cols) {
   return out;
 }
 
+Mat opt_mat(const std::optional<at::Tensor>& w, int64_t type, int64_t cols, const char* name) {
+  return w.has_value() ? as_mat(*w, type, cols, name) : Mat{};
+}
+
+const float* opt_vec(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_f32(*t, name);
+  TORCH_CHECK(t->numel() == n, name, ": float32 [", n, "]");
+  return t->data_ptr<float>();
+}
+
+at::Tensor ffn_mm_op(const at::Tensor& x, const std::optional<at::Tensor>& gate, int64_t gate_type,
+                     const at::Tensor& up, int64_t up_type, const at::Tensor& down, int64_t down_type, int64_t act,
+                     const std::optional<at::Tensor>& up_bias) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x: [T, d]");
+  TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE && (act <= DRELU) == gate.has_value(),
+              "act: 0-2 with a gate, 3-4 without");
+  const int64_t d = x.size(1);
+  const Mat u = as_mat(up, up_type, d, "up"), g = opt_mat(gate, gate_type, d, "gate");
+  TORCH_CHECK(!g.p || g.rows == u.rows, "gate and up: the same number of rows");
+  const Mat dn = as_mat(down, down_type, u.rows, "down");
+  TORCH_CHECK(dn.rows == d, "down: [d, n_ff]");
+  at::Tensor y = at::empty({x.size(0), d}, x.options());
+  ffn_mm(x.data_ptr<float>(), x.size(0), d, g, u, dn, (int)act, opt_vec(up_bias, u.rows, "up_bias"),
+         y.data_ptr<float>());
+  return y;
+}
+
+// The step over tensors that Python keeps alive too (the model's weights and caches); `keep` holds a reference to
+// every one anyway, so a step never points into freed memory.
+struct DecodeStep : torch::CustomClassHolder {
+  StepShape shape;
+  at::Tensor rope;  // [max_pos, D/2, 2]
+  std::vector<LayerStep> layers;
+  std::vector<at::Tensor> keep;
+  NormW out_norm;
+  std::vector<Mat> out_w;
+  int64_t vocab = 0;
+  std::vector<int64_t> active;
+  StepScratch sc;
+  std::vector<float> xbuf, xo;
+
+  DecodeStep(int64_t d, int64_t n_head, int64_t n_head_kv, double scale, bool neox, const at::Tensor& rope_cs) {
+    TORCH_CHECK(d > 0 && n_head > 0 && n_head_kv > 0 && n_head % n_head_kv == 0, "DecodeStep: bad head counts");
+    check_f32(rope_cs, "rope");
+    TORCH_CHECK(rope_cs.dim() == 3 && rope_cs.size(2) == 2, "rope: [max_pos, head_dim / 2, 2]");
+    shape.d = d, shape.H = n_head, shape.Hkv = n_head_kv, shape.D = 2 * rope_cs.size(1);
+    shape.scale = (float)scale, shape.neox = neox;
+    rope = rope_cs;
+  }
+
+  const float* vec(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
+    if (t.has_value()) keep.push_back(*t);
+    return opt_vec(t, n, name);
+  }
+  Mat mat(const at::Tensor& w, int64_t type, int64_t cols, const char* name) {
+    keep.push_back(w);
+    return as_mat(w, type, cols, name);
+  }
+  std::vector<Mat> mats(const std::vector<at::Tensor>& ws, const std::vector<int64_t>& types, int64_t cols,
+                        const char* name) {
+    TORCH_CHECK(!ws.empty() && ws.size() == types.size(), name, ": one type per matrix");
+    std::vector<Mat> out;
+    for (size_t i = 0; i < ws.size(); ++i) out.push_back(mat(ws[i], types[i], cols, name));
+    return out;
+  }
+  NormW norm(const at::Tensor& w, const std::optional<at::Tensor>& b, double eps, bool layer) {
+    NormW n;
+    n.w = vec(w, shape.d, "norm w");
+    n.b = vec(b, shape.d, "norm b");
+    n.eps = (float)eps, n.layer = layer;
+    return n;
+  }
+  LayerStep& last() {
+    TORCH_CHECK(!layers.empty(), "DecodeStep: add_attention first");
+    return layers.back();
+  }
+  static int64_t rows_of(const std::vector<Mat>& ms) {
+    int64_t n = 0;
+    for (const Mat& m : ms) n += m.rows;
+    return n;
+  }
+
+  void add_attention(const at::Tensor& nw, const std::optional<at::Tensor>& nb, double eps, bool layer_norm_,
+                     std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types,
+                     const std::optional<at::Tensor>& bqkv, std::vector<at::Tensor> wo, std::vector<int64_t> wo_types,
+                     const std::optional<at::Tensor>& bo, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     bool parallel) {
+    const int64_t d = shape.d, D = shape.D, H = shape.H, Hkv = shape.Hkv;
+    LayerStep L;
+    L.attn_norm = norm(nw, nb, eps, layer_norm_);
+    L.qkv = mats(qkv, qkv_types, d, "qkv");
+    TORCH_CHECK(rows_of(L.qkv) == (H + 2 * Hkv) * D, "qkv: (n_head + 2 n_head_kv) head_dim rows");
+    L.bqkv = vec(bqkv, (H + 2 * Hkv) * D, "bqkv");
+    L.wo = mats(wo, wo_types, H * D, "wo");
+    TORCH_CHECK(rows_of(L.wo) == d, "wo: d rows");
+    L.bo = vec(bo, d, "bo");
+    const auto kt = k_cache.scalar_type();
+    TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && k_cache.size(2) == D &&
+                    (kt == at::kFloat || kt == at::kHalf) && k_cache.is_contiguous() &&
+                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kt && v_cache.is_contiguous(),
+                "k_cache, v_cache: contiguous float32 or float16 [n_head_kv, ctx, head_dim], the same dtype");
+    TORCH_CHECK(k_cache.size(1) <= rope.size(0), "the cache is longer than the rope table");
+    keep.push_back(k_cache), keep.push_back(v_cache);
+    L.k_cache = k_cache.data_ptr(), L.v_cache = v_cache.data_ptr(), L.kv_half = kt == at::kHalf;
+    L.ctx = k_cache.size(1);
+    L.parallel = parallel;
+    L.ffn_norm_shared = true;  // until set_ffn_norm
+    layers.push_back(std::move(L));
+    active.push_back(0);
+  }
+
+  void set_ffn_norm(const at::Tensor& w, const std::optional<at::Tensor>& b, double eps, bool layer_norm_) {
+    LayerStep& L = last();
+    L.ffn_norm = norm(w, b, eps, layer_norm_);
+    L.ffn_norm_shared = false;
+  }
+
+  void set_ffn(int64_t kind, const std::optional<at::Tensor>& gate, int64_t gate_type, const at::Tensor& up,
+               int64_t up_type, const at::Tensor& down, int64_t down_type, int64_t act,
+               const std::optional<at::Tensor>& up_bias, double cats, const std::optional<at::Tensor>& ffn_bias) {
+    LayerStep& L = last();
+    const int64_t d = shape.d;
+    TORCH_CHECK(kind >= FFN_MM && kind <= FFN_PRED, "kind: 0 (ffn_down), 1 (rows), 2 (predicted rows)");
+    TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE && (act <= DRELU) == gate.has_value(),
+                "act: 0-2 with a gate, 3-4 without");
+    TORCH_CHECK(cats >= 0 && (cats == 0 || act == SWIGLU), "cats: only for SwiGLU");
+    TORCH_CHECK(L.parallel || !L.ffn_norm_shared, "a sequential layer needs set_ffn_norm");
+    L.kind = (int)kind;
+    L.up = mat(up, up_type, d, "up");
+    if (gate.has_value()) L.gate = mat(*gate, gate_type, d, "gate");
+    TORCH_CHECK(!L.gate.p || L.gate.rows == L.up.rows, "gate and up: the same number of rows");
+    const int64_t n_ff = L.up.rows;
+    L.down = mat(down, down_type, kind == FFN_MM ? n_ff : d, "down");
+    TORCH_CHECK(L.down.rows == (kind == FFN_MM ? d : n_ff),
+                kind == FFN_MM ? "down: ffn_down [d, n_ff]" : "down: ffn_down_t [n_ff, d]");
+    L.act = (int)act;
+    L.up_bias = vec(up_bias, n_ff, "up_bias");
+    L.cats = (float)cats;
+    L.ffn_bias = vec(ffn_bias, d, "ffn_bias");
+  }
+
+  void set_predictor(const at::Tensor& fc1, int64_t fc1_type, const at::Tensor& fc2, int64_t fc2_type,
+                     bool fc2_transposed, double threshold, const std::optional<at::Tensor>& always) {
+    LayerStep& L = last();
+    TORCH_CHECK(L.kind == FFN_PRED, "set_predictor: for a layer of kind 2, after set_ffn");
+    L.fc1 = mat(fc1, fc1_type, shape.d, "fc1");
+    L.fc2 = mat(fc2, fc2_type, fc2_transposed ? L.up.rows : L.fc1.rows, "fc2");
+    TORCH_CHECK(fc2_transposed ? L.fc2.rows == L.fc1.rows : L.fc2.rows == L.up.rows, "fc2: [n_ff, r] or [r, n_ff]");
+    L.fc2_transposed = fc2_transposed, L.threshold = (float)threshold;
+    L.always.clear();
+    if (always.has_value()) {
+      TORCH_CHECK(always->scalar_type() == at::kLong && always->is_contiguous(), "always: contiguous int64");
+      check_ids(always->data_ptr<int64_t>(), always->numel(), L.up.rows, "always");
+      L.always.assign(always->data_ptr<int64_t>(), always->data_ptr<int64_t>() + always->numel());
+    }
+  }
+
+  void set_output(const at::Tensor& nw, const std::optional<at::Tensor>& nb, double eps, bool layer_norm_,
+                  std::vector<at::Tensor> ws, std::vector<int64_t> types) {
+    out_norm = norm(nw, nb, eps, layer_norm_);
+    out_w = mats(ws, types, shape.d, "output");
+    vocab = rows_of(out_w);
+  }
+
+  void check_ready() const {
+    TORCH_CHECK(vocab > 0, "DecodeStep: set_output first");
+    for (const LayerStep& L : layers)
+      TORCH_CHECK(L.up.p && (L.kind != FFN_PRED || L.fc1.p), "DecodeStep: a layer without its FFN");
+  }
+
+  // x [1, d]: the token's embedding at position pos -> logits [1, vocab]
+  at::Tensor run(const at::Tensor& x, int64_t pos) {
+    check_ready();
+    check_f32(x, "x");
+    TORCH_CHECK(x.numel() == shape.d, "x: [1, d]");
+    for (const LayerStep& L : layers) TORCH_CHECK(pos >= 0 && pos < L.ctx, "position ", pos, " outside the cache");
+    xbuf.assign(x.data_ptr<float>(), x.data_ptr<float>() + shape.d);
+    const float* rp = rope.data_ptr<float>() + pos * shape.D;
+    decode_layers(shape, layers, 0, (int64_t)layers.size(), rp, pos, xbuf.data(), active.data(), sc);
+    xo.resize(shape.d);
+    apply_norm(out_norm, xbuf.data(), 1, shape.d, xo.data());
+    at::Tensor logits = at::empty({1, vocab}, x.options());
+    qmatmul(xo.data(), 1, shape.d, out_w, logits.data_ptr<float>(), GEMM_MIN_T);
+    return logits;
+  }
+
+  // x [1, d], the residual entering layer l0 -> the residual leaving layer l1 - 1, no head: the layers an executor
+  // runs on the CPU between parts it runs elsewhere
+  at::Tensor run_layers(const at::Tensor& x, int64_t pos, int64_t l0, int64_t l1) {
+    check_f32(x, "x");
+    TORCH_CHECK(x.numel() == shape.d, "x: [1, d]");
+    TORCH_CHECK(0 <= l0 && l0 <= l1 && l1 <= (int64_t)layers.size(), "layers [", l0, ", ", l1, ") out of range");
+    for (int64_t l = l0; l < l1; ++l) TORCH_CHECK(pos >= 0 && pos < layers[l].ctx, "position outside the cache");
+    at::Tensor out = x.clone().view({1, shape.d});
+    decode_layers(shape, layers, l0, l1, rope.data_ptr<float>() + pos * shape.D, pos, out.data_ptr<float>(),
+                  active.data(), sc);
+    return out;
+  }
+
+  // Layer l's FFN for one token's normed input xf [1, d] over the neurons idx only (int64, any order, no duplicates):
+  // the part of a layer an executor leaves the CPU (the hybrid's CPU rows). The layer's FFN must be neuron-major
+  // (kinds 1 and 2). -> (y [1, d] without the down bias, nonzero activations)
+  std::tuple<at::Tensor, int64_t> ffn_subset(int64_t l, const at::Tensor& xf, const at::Tensor& idx) {
+    TORCH_CHECK(0 <= l && l < (int64_t)layers.size(), "layer ", l, " out of range");
+    const LayerStep& L = layers[l];
+    TORCH_CHECK(L.kind != FFN_MM, "ffn_subset: layer ", l, " has no neuron-major rows (ffn_down_t)");
+    check_f32(xf, "xf");
+    TORCH_CHECK(xf.numel() == shape.d, "xf: [1, d]");
+    TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.is_contiguous(), "idx: contiguous int64 [k]");
+    check_ids(idx.data_ptr<int64_t>(), idx.numel(), L.up.rows, "idx");
+    FFN q;
+    q.x = xf.data_ptr<float>(), q.T = 1, q.d = shape.d, q.gate = L.gate, q.up = L.up, q.down_t = L.down;
+    q.idx = idx.data_ptr<int64_t>(), q.k = idx.numel(), q.act = L.act, q.up_bias = L.up_bias, q.cats = L.cats;
+    at::Tensor y = at::empty({1, shape.d}, xf.options());
+    const int64_t nz = ffn_sparse(q, y.data_ptr<float>());
+    return {y, nz};
+  }
+
+  // the nonzero (token, neuron) pairs per layer since the last call (and resets them)
+  at::Tensor take_active() {
+    at::Tensor out = at::empty({(int64_t)active.size()}, at::TensorOptions().dtype(at::kLong));
+    std::copy(active.begin(), active.end(), out.data_ptr<int64_t>());
+    std::fill(active.begin(), active.end(), 0);
+    return out;
+  }
+};
+
 std::string isa_op() { return isa_name(); }
 int64_t gemm_min_t_op() { return GEMM_MIN_T; }
 
@@ -380,6 +616,20 @@ TORCH_LIBRARY(PINFER_NS, m) {
         &device_layout_op);
   m.def("requant_q8_0(Tensor rows, int type, int cols) -> Tensor", &requant_q8_0_op);
   m.def("requant_q4_1(Tensor rows, int cols) -> Tensor", &requant_q4_1_op);
+  m.def("ffn_mm(Tensor x, Tensor? gate, int gate_type, Tensor up, int up_type, Tensor down, int down_type, int act, "
+        "Tensor? up_bias) -> Tensor",
+        &ffn_mm_op);
+  m.class_<DecodeStep>("DecodeStep")
+      .def(torch::init<int64_t, int64_t, int64_t, double, bool, at::Tensor>())
+      .def("add_attention", &DecodeStep::add_attention)
+      .def("set_ffn_norm", &DecodeStep::set_ffn_norm)
+      .def("set_ffn", &DecodeStep::set_ffn)
+      .def("set_predictor", &DecodeStep::set_predictor)
+      .def("set_output", &DecodeStep::set_output)
+      .def("run", &DecodeStep::run)
+      .def("run_layers", &DecodeStep::run_layers)
+      .def("ffn_subset", &DecodeStep::ffn_subset)
+      .def("take_active", &DecodeStep::take_active);
   m.def("isa() -> str", &isa_op);
   m.def("gemm_min_t() -> int", &gemm_min_t_op);
 }

@@ -1,0 +1,120 @@
+// One token's decode step through a model's layers in one call (runtime/cpu/step.py builds it): norm, fused QKV,
+// RoPE + KV write + attention, output projection, residual, norm, the FFN (dense, exact masks or predicted-sparse),
+// residual. The Python forward (runtime/model.py) makes the same kernel calls one at a time, through the dispatcher,
+// with a torch tensor per intermediate; for SmolLM2's 30 layers of 576 that was ~100 us of Python per layer and
+// token (issue #26). Here the intermediates live in buffers sized once, and every op is the kernel the forward
+// calls, in its order and with its arguments, so the two give the same bits (tests/test_decode_step.py holds them
+// to it).
+#include <cmath>
+
+#include "kernels.h"
+
+namespace pinfer {
+
+float ffn_act(int act, float g, float u) {
+  switch (act) {
+    case REGLU: return g > 0.f ? g * u : 0.f;
+    case DRELU: return (g > 0.f && u > 0.f) ? g * u : 0.f;
+    case RELU_NOGATE: return u > 0.f ? u : 0.f;
+    case GELU_NOGATE: return 0.5f * u * std::erfc(u * -0.70710678118654752f);  // erfc: no cancellation below -5.5
+    default: return g / (1.f + std::exp(-g)) * u;  // SwiGLU
+  }
+}
+
+void ffn_mm(const float* x, int64_t T, int64_t d, const Mat& gate, const Mat& up, const Mat& down, int act,
+            const float* up_bias, float* y) {
+  const int64_t n_ff = up.rows;
+  const bool gated = gate.p != nullptr;
+  // decode reuses its buffers across calls (no page faults per token); a prompt's, up to 3 n_ff floats per token, are
+  // not kept
+  thread_local std::vector<float> gu_keep, h_keep;
+  std::vector<float> gu_own, h_own;
+  std::vector<float>& gu = T <= 8 ? gu_keep : gu_own;
+  std::vector<float>& h = T <= 8 ? h_keep : h_own;
+  gu.resize(T * n_ff * (gated ? 2 : 1));
+  h.resize(T * n_ff);
+  std::vector<Mat> ws;
+  if (gated) ws.push_back(gate);
+  ws.push_back(up);
+  qmatmul(x, T, d, ws, gu.data(), GEMM_MIN_T);
+  const int64_t row = n_ff * (int64_t)ws.size();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gu.data() + t * row;
+    const float* u = g + (gated ? n_ff : 0);
+    float* ht = h.data() + t * n_ff;
+    for (int64_t i = 0; i < n_ff; ++i) ht[i] = ffn_act(act, gated ? g[i] : 0.f, up_bias ? u[i] + up_bias[i] : u[i]);
+  }
+  qmatmul(h.data(), T, n_ff, {down}, y, GEMM_MIN_T);
+}
+
+void apply_norm(const NormW& n, const float* x, int64_t T, int64_t d, float* y) {
+  if (n.layer)
+    layer_norm(x, n.w, n.b, T, d, n.eps, y);
+  else
+    rms_norm(x, n.w, T, d, n.eps, y);
+}
+
+namespace {
+
+void add(float* y, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += b[i];
+}
+
+// The FFN of one token: xf its normed input, resid the pre-norm residual the predictor reads; f [d] overwritten.
+int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* resid, float* f) {
+  if (L.kind == FFN_MM) {
+    ffn_mm(xf, 1, d, L.gate, L.up, L.down, L.act, L.up_bias, f);
+    return L.up.rows;
+  }
+  FFN q;
+  q.x = xf, q.T = 1, q.d = d, q.gate = L.gate, q.up = L.up, q.down_t = L.down, q.k = L.up.rows, q.act = L.act,
+  q.up_bias = L.up_bias, q.cats = L.cats;
+  std::vector<int64_t> idx;
+  if (L.kind == FFN_PRED) {
+    idx = predict_active(resid, L.fc1, L.fc2, L.fc2_transposed, L.threshold, L.always.data(),
+                         (int64_t)L.always.size());
+    if (idx.empty()) {  // as ffn_sparse: no neuron, no kernel
+      std::fill(f, f + d, 0.f);
+      return 0;
+    }
+    q.idx = idx.data(), q.k = (int64_t)idx.size();
+    ffn_sparse(q, f);
+    return q.k;  // the predictor's count, as SparseFFN counts it
+  }
+  return ffn_sparse(q, f);
+}
+
+}  // namespace
+
+void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int64_t l0, int64_t l1, const float* rope,
+                   int64_t pos, float* x, int64_t* active, StepScratch& sc) {
+  const int64_t d = s.d, D = s.D, nq = (s.H + 2 * s.Hkv) * D;
+  sc.xa.resize(d), sc.xf.resize(d), sc.qkv.resize(nq), sc.heads.resize(s.H * D), sc.y.resize(d), sc.f.resize(d);
+  for (int64_t l = l0; l < l1; ++l) {
+    const LayerStep& L = layers[l];
+    apply_norm(L.attn_norm, x, 1, d, sc.xa.data());
+    qmatmul(sc.xa.data(), 1, d, L.qkv, sc.qkv.data(), GEMM_MIN_T);
+    if (L.bqkv) add(sc.qkv.data(), L.bqkv, nq);
+    if (L.kv_half)
+      attend_decode<uint16_t>(sc.qkv.data(), rope, (uint16_t*)L.k_cache, (uint16_t*)L.v_cache, L.ctx, D, pos, s.H,
+                              s.Hkv, s.scale, s.neox, sc.heads.data());
+    else
+      attend_decode<float>(sc.qkv.data(), rope, (float*)L.k_cache, (float*)L.v_cache, L.ctx, D, pos, s.H, s.Hkv,
+                           s.scale, s.neox, sc.heads.data());
+    qmatmul(sc.heads.data(), 1, s.H * D, L.wo, sc.y.data(), GEMM_MIN_T);
+    if (L.bo) add(sc.y.data(), L.bo, d);
+    // y = x + attention; the FFN reads y (sequential) or the layer input x (parallel)
+    for (int64_t i = 0; i < d; ++i) sc.y[i] = x[i] + sc.y[i];
+    const float* resid = L.parallel ? x : sc.y.data();
+    const float* xf = sc.xf.data();
+    if (L.parallel && L.ffn_norm_shared)
+      xf = sc.xa.data();
+    else
+      apply_norm(L.ffn_norm, resid, 1, d, sc.xf.data());
+    active[l] += ffn_one(L, d, xf, resid, sc.f.data());
+    if (L.ffn_bias) add(sc.f.data(), L.ffn_bias, d);
+    for (int64_t i = 0; i < d; ++i) x[i] = sc.y[i] + sc.f[i];
+  }
+}
+
+}  // namespace pinfer

@@ -1,0 +1,256 @@
+"""The fused decode step (runtime/cpu/step.py, csrc/step.cpp) against the Python forward it replaces for one token.
+
+The step calls the forward's own kernels in the forward's order, so its logits must equal the forward's to the bit,
+for llama (SwiGLU over ffn_down, ReGLU over ffn_down_t), bamboo, falcon (40B layout, and one norm for both branches
+as the 7B), opt (biases, LayerNorm, no rope), every FFN mode (dense, exact masks: ReLU and CATS, predicted with fc2
+or fc2_t and outlier neurons), every weight type the kernels read, and both KV cache types. Against the torch
+fallback (no kernels, no step) and the AVX2 build's step the logits agree to float rounding.
+
+Plants (each seen failing, then restored): opt's output-projection bias added after the residual sum instead of
+before (float addition is not associative) fails the 3 opt cases; the parallel branch's FFN and predictor fed the
+post-attention residual fails falcon's 3 modes and falcon-7b's predictor (its dense and exact FFNs read the shared
+norm, not the residual); the shared norm ignored crashes the run (falcon-7b has no FFN norm of its own); the
+predictor's outlier neurons (`always`) dropped fails the 6 predictor cases; a step that never notices a replaced FFN
+fails test_a_replaced_ffn_rebuilds_the_step; neuron counts not added fails the stats check.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from pinfer_llm import synth
+from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+from pinfer_llm.runtime.cpu import step as cpu_step
+from pinfer_llm.runtime.ffn.ops import FFNRows
+from pinfer_llm.runtime.ffn.predictor import Predictor
+from pinfer_llm.runtime.ffn.sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN
+from pinfer_llm.runtime.loader import transposed
+from pinfer_llm.runtime.weights import quantize_like
+from tests.tiny import write_tiny
+
+KERNELS = os.environ.get("PINFER_CPU_KERNELS") != "0"
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="PINFER_CPU_KERNELS=0: no step without the kernels")
+ARCHS = ["llama-swiglu", "llama-relu", "bamboo", "falcon", "falcon-7b", "opt"]
+TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0]
+PROMPT = [5, 9, 77, 31, 7, 120]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Tiny models of every architecture: SmolLM2-like (llama.cpp's layout, ffn_down) and planted PowerInfer files
+    (ffn_down_t) for ReGLU llama, bamboo, falcon (40B layout: grouped KV, two norms) and opt."""
+    d = tmp_path_factory.mktemp("step")
+    out = {"llama-swiglu": d / "swiglu.gguf"}
+    write_tiny(out["llama-swiglu"])
+    for arch, variant in (("llama-relu", "relu"), ("bamboo", "drelu"), ("falcon", "falcon"), ("opt", "opt")):
+        out[arch] = d / f"{arch}.gguf"
+        synth.generate(out[arch], synth.SynthSpec(n_layer=2, n_embd=64, n_ff=128, n_head=4,
+                                                  n_head_kv=2 if variant != "opt" else 4, vocab="bytes",
+                                                  variant=variant, sparsity=0.7, seed=3))
+    out["falcon-7b"] = out["falcon"]
+    return out
+
+
+def requantise(tr, qtype: T) -> None:
+    """Every matrix the layers and the head multiply by re-encoded in qtype (from its dequantised values)."""
+    def q(w):
+        return w if qtype == T.F32 else quantize_like(w.dequantize(), qtype, w.name)
+
+    lins = [tr.output] + [lin for b in tr.blocks for lin in (b.wqkv, b.wo)]
+    for b in tr.blocks:
+        rows = b.ffn.rows
+        rows.gate = None if rows.gate is None else q(rows.gate)
+        rows.up = q(rows.up)
+        rows.down_t = None if rows.down_t is None else q(rows.down_t)
+        if b.ffn.down is not None:
+            lins.append(b.ffn.down)
+    for lin in lins:
+        lin.ws = [q(w) for w in lin.ws]
+
+
+def set_mode(tr, mode: str, seed: int = 0) -> None:
+    """The layers' FFNs as SparseFFNs over neuron-major rows: exact masks (ReLU-family by their gates, SwiGLU by a CATS
+    threshold) or random predictors (fc2 as stored on layer 0 with two outlier neurons, fc2_t on the others)."""
+    g = torch.Generator().manual_seed(seed)
+    for li, b in enumerate(tr.blocks):
+        r = b.ffn.rows
+        down_t = r.down_t if r.down_t is not None else transposed(b.ffn.down.ws[0])
+        rows = FFNRows(r.gate, r.up, down_t, r.act, r.up_bias)
+        if mode == "oracle":
+            masker = CatsOracleMasker(0.1) if r.act == "silu" else ReluOracleMasker()
+        else:
+            fc1 = torch.randn(16, rows.n_embd, generator=g) * 0.3
+            fc2 = torch.randn(rows.n_ff, 16, generator=g)
+            pred = Predictor(fc1=fc1, fc2=fc2, threshold=0.5, fc2_t=None if li == 0 else fc2.T.contiguous())
+            masker = PredictorMasker(pred, torch.tensor([0, 3]) if li == 0 else None)
+        b.ffn = SparseFFN(rows, masker)
+
+
+def model(files, arch: str, qtype: T = T.F32, mode: str = "dense", kv: str = "f16"):
+    m = load_model(files[arch], threads=2, ffn_mode="dense", kv_type=kv)
+    tr = m.transformer
+    if arch == "falcon-7b":  # one norm feeds both branches
+        for b in tr.blocks:
+            b.attn_norm = b.ffn_norm
+    requantise(tr, qtype)
+    if mode != "dense":
+        set_mode(tr, mode)
+    return m
+
+
+def decode(m, use_step: bool, n: int = 4, prompt=PROMPT) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's prefill, then n greedy tokens one at a time: (the decode logits [n, vocab], the tokens)."""
+    tr = m.transformer
+    tr.use_step = use_step
+    with torch.inference_mode():
+        logits = tr.forward(torch.tensor(prompt), 0)[-1:]
+        outs, toks = [], []
+        for i in range(n):
+            toks.append(int(logits[-1].argmax()))
+            logits = tr.forward(torch.tensor(toks[-1:]), len(prompt) + i)
+            outs.append(logits)
+    return torch.cat(outs), toks
+
+
+def active(m) -> list[int]:
+    return [b.ffn.stats.active if isinstance(b.ffn, SparseFFN) else 0 for b in m.transformer.blocks]
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["dense", "oracle", "pred"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_equals_the_forward_to_the_bit(files, arch, mode):
+    for qtype in TYPES:
+        m = model(files, arch, qtype, mode, kv="f32" if qtype == T.F16 else "f16")
+        a0 = active(m)
+        want, want_toks = decode(m, use_step=False)
+        a1 = active(m)
+        got, toks = decode(m, use_step=True)
+        a2 = active(m)
+        assert m.transformer._step is not None, (arch, mode, qtype.name)  # the step ran
+        assert torch.equal(got, want), (arch, mode, qtype.name, float((got - want).abs().max()))
+        assert toks == want_toks
+        # sparse modes: the step counts each layer's neurons as the forward does
+        assert [b - a for a, b in zip(a1, a2, strict=True)] == [b - a for a, b in zip(a0, a1, strict=True)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_equals_the_torch_fallback(files, arch, monkeypatch):
+    """With the kernels disabled there is no step and torch runs the forward; on float32 weights it gives the step's
+    logits up to float rounding (dense, and exact masks where an activation is exactly zero)."""
+    for mode in ("dense", "oracle"):
+        if mode == "oracle" and arch == "llama-swiglu":
+            continue  # a CATS threshold is a cut through non-zero activations: rounding may move a neuron across
+        got, toks = decode(model(files, arch, mode=mode, kv="f32"), use_step=True)
+        with monkeypatch.context() as mp:
+            mp.setattr(cpu_kernels, "available", lambda: False)
+            ref = model(files, arch, mode=mode, kv="f32")
+            want, want_toks = decode(ref, use_step=True)
+            assert ref.transformer._step is None
+        assert (got - want).abs().max() < 1e-4 * want.abs().max(), (arch, mode)
+        assert toks == want_toks
+
+
+@needs_kernels
+@pytest.mark.skipif(" avx2" not in cpu_kernels.cpu_flags(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("arch", ["llama-swiglu", "falcon", "opt"])
+def test_the_avx2_builds_step(files, arch):
+    """The step of the -march=x86-64-v3 build (AVX2 tiles throughout) equals the native build's to float rounding
+    and q8 activations' own (identical for both: the same blocks are rounded the same way)."""
+    ns = cpu_kernels.variant_namespace("x86-64-v3")
+    cpu_kernels.load_variants(["x86-64-v3"])
+    for qtype, mode in ((T.F32, "dense"), (T.Q4_1, "dense"), (T.Q4_0, "pred"), (T.Q8_0, "oracle")):
+        m = model(files, arch, qtype, mode)
+        want, _ = decode(m, use_step=True)
+        m.transformer._step = cpu_step.build(m.transformer, ns)
+        got, _ = decode(m, use_step=True)
+        assert (got - want).abs().max() < 1e-3 * want.abs().max(), (arch, qtype.name, mode)
+
+
+@needs_kernels
+def test_same_prompt_same_tokens_whatever_ran_before_and_however_it_is_chunked(files, monkeypatch):
+    """Greedy tokens through the step depend on the prompt only: not on another prompt decoded before (the step's
+    buffers carry nothing over), nor on the prefill's chunking (F32: the GEMV tiles and GEMM agree to rounding)."""
+    from pinfer_llm.runtime import engine
+
+    m = model(files, "llama-swiglu", mode="dense", kv="f32")
+    want = list(m.generate(PROMPT, max_tokens=8, temperature=0))
+    list(m.generate([200, 3, 3, 14], max_tokens=5, temperature=0))
+    assert list(m.generate(PROMPT, max_tokens=8, temperature=0)) == want
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 4)
+    assert list(m.generate(PROMPT, max_tokens=8, temperature=0)) == want
+    m.transformer.use_step = False
+    assert list(m.generate(PROMPT, max_tokens=8, temperature=0)) == want
+
+
+@needs_kernels
+def test_a_replaced_ffn_rebuilds_the_step(files):
+    """A block whose FFN object is replaced (the hybrid executor, a profiler's wrapper) gets a new step, or none: a
+    wrapper the step cannot see into runs through the forward, and sees every token."""
+    m = model(files, "llama-relu")
+    tr = m.transformer
+    decode(m, use_step=True)
+    first = tr._step
+    assert first is not None
+    calls = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, x, resid):
+            calls.append(x.shape[0])
+            return self.inner(x, resid)
+
+    inner = tr.blocks[1].ffn
+    tr.blocks[1].ffn = Spy(inner)
+    decode(m, use_step=True, n=3)
+    assert tr._step is None and calls == [len(PROMPT), 1, 1, 1]
+    tr.blocks[1].ffn = inner
+    decode(m, use_step=True)
+    assert tr._step is not None and tr._step is not first
+
+
+@needs_kernels
+def test_the_step_refuses_bad_arguments():
+    """The native builder checks shapes once, at build time, in one line each."""
+    cls = torch.classes.pinfer.DecodeStep
+    with pytest.raises(RuntimeError, match="head counts"):
+        cls(64, 4, 3, 0.25, False, torch.zeros(8, 8, 2))
+    s = cls(64, 4, 2, 0.25, False, torch.zeros(8, 8, 2))
+    kc = torch.zeros(2, 8, 16)
+    with pytest.raises(RuntimeError, match="qkv"):
+        s.add_attention(torch.ones(64), None, 1e-5, False, [torch.zeros(100, 64)], [0], None, [torch.zeros(64, 64)],
+                        [0], None, kc, kc, False)
+    with pytest.raises(RuntimeError, match="set_output first"):
+        s.run(torch.zeros(1, 64), 0)
+
+
+@needs_kernels
+def test_a_range_of_layers_and_a_subset_of_neurons(files):
+    """What an executor that runs part of a model elsewhere (the hybrid's CPU half) calls: the step over layers
+    [0, 1) then [1, 2), then the head, is the whole step; one layer's FFN over a subset of its neurons is ffn_sparse
+    over them."""
+    from pinfer_llm.runtime.ffn.ops import ffn_sparse
+
+    m = model(files, "llama-relu", T.Q4_0, "oracle")
+    tr = m.transformer
+    decode(m, use_step=True, n=1)
+    native, pos = tr._step.native, len(PROMPT) + 1
+    with torch.inference_mode():
+        x = tr.embed(torch.tensor([9]), pos)
+        whole = native.run(x, pos)
+        h = native.run_layers(native.run_layers(x, pos, 0, 1), pos, 1, 2)
+        assert torch.equal(tr.output(tr.norm(h, tr.output_norm)), whole)
+        xf = torch.randn(1, tr.cfg.n_embd, generator=torch.Generator().manual_seed(1))
+        idx = torch.tensor([40, 1, 5, 7, 100])
+        y, _ = native.ffn_subset(1, xf, idx)
+        assert torch.equal(y, ffn_sparse(tr.blocks[1].ffn.w, xf, idx))
+        with pytest.raises(RuntimeError, match="out of range"):
+            native.ffn_subset(1, xf, torch.tensor([tr.cfg.n_ff]))
