@@ -9,6 +9,8 @@ Hopper's branch.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from cuda_emu import emu, fake_cupy
@@ -16,7 +18,7 @@ from cuda_emu import emu, fake_cupy
 from pinfer_llm.runtime.gpu import CudaDevice, ReferenceDevice
 from pinfer_llm.runtime.gpu import cuda as cuda_mod
 from pinfer_llm.runtime.gpu import layout as L
-from pinfer_llm.runtime.gpu.sources import source
+from pinfer_llm.runtime.gpu.sources import KERNEL_DIR, source
 
 ATOMICS = """  atomicAdd(y, v.x);
   atomicAdd(y + 1, v.y);
@@ -49,12 +51,22 @@ PLANTS = {  # name: (module, correct text, planted text, runs, what the detector
         "  if (lane == 0) buf[w] = v;\n  if (w == 0) __syncthreads(); else __syncthreads();", "layer_norm",
         r"divergent __syncthreads"),
     "sparse_down's busy flag (the original race)": (
-        "sparse_ffn", BUSY_FIXED, BUSY_RACY, "ffn", r"data race on shared memory"),
+        "sparse_down_busy", BUSY_FIXED, BUSY_RACY, "down_old", r"data race on shared memory"),
 }
+# The kernel the busy flag lived in was rewritten (issue #25: a gathered sparse_down with no flag); this copy of it
+# keeps the plant's check alive.
+OLD_DOWN = Path(__file__).with_name("cuda_emu") / "sparse_down_busy.cu"
+
+
+def _source(module: str) -> str:
+    if module != "sparse_down_busy":
+        return source(module)
+    header = (KERNEL_DIR / "quant.cuh").read_text()
+    return OLD_DOWN.read_text().replace('#include "quant.cuh"', header.replace("#pragma once\n", ""), 1)
 
 
 def _planted(module: str, good: str, bad: str) -> str:
-    text = source(module)
+    text = _source(module)
     assert text.count(good) == 1, f"the plant's correct text is no longer in {module} (exactly once)"
     if "busy" in bad:  # the flag's declaration and reset, as they were
         anchor = "  const int jb = (blockIdx.y * nwb + wib) * rows_per_warp;"
@@ -69,6 +81,16 @@ def _planted(module: str, good: str, bad: str) -> str:
 def _run(dev, what: str):
     """The kernels a plant sits in, on inputs where several blocks meet (outputs, for the clean runs' check)."""
     rng = np.random.default_rng(7)
+    if what == "down_old":  # the old sparse_down, launched as CudaDevice launched it
+        d, k, T = 1024 + 64, 1024, 2
+        w = dev.upload_matrix(L.random_rows(rng, L.F16, k, d, 0.3), L.F16, d)
+        h = rng.standard_normal((T, k)).astype(np.float32)
+        h[:, rng.random(k) < 0.5] = 0
+        y = dev.zeros((T, d))
+        fn = dev.cp.RawModule(code=cuda_mod.source("sparse_down_busy"), options=cuda_mod.NVRTC_OPTIONS)
+        fn.get_function("sparse_down_old_f16_t2")((2, k // 256), (256,), (w.data, np.int64(w.stride), np.int32(d),
+                                                  dev.asarray(h), np.int32(k), np.int32(T), y, np.int32(32)))
+        return dev.to_numpy(y)
     if what == "ffn":
         d, n_ff = 1024 + 64, 1024  # one tile and a tail; 4 blocks add into every unit (down_rows_per_warp below)
         up, down = (L.random_rows(rng, L.F16, n_ff, d, 0.3) for _ in range(2))
