@@ -372,10 +372,11 @@ class CudaDevice:
         return max(1, min(-(-k // (UP_THREADS // 32)), 4 * self.sm_count))
 
     def _down_splits(self, k: int, units: int) -> int:
-        # sparse_down: two blocks of 8 warps per SM (its launch bounds) over units x splits; each block adds its unit
-        # to y once (4 KB of atomics per token), a small share of its rows' bytes at any selection of a few rows
-        # per warp. No more splits than 8-row groups of all k rows.
-        return max(1, min(-(-2 * self.sm_count // units), -(-k // 8)))
+        # sparse_down: two blocks of 8 warps per SM (its launch bounds), units x splits of them in one wave (a
+        # 5-tile Llama-13B row on 132 SMs: 5 x 52 = 260 blocks, where rounding up would leave one block for a
+        # second wave); each block adds its unit to y once (4 KB of atomics per token, ~7% of a 10% 13B layer's
+        # weight bytes). No more splits than 8-row groups of all k rows.
+        return max(1, min(2 * self.sm_count // units, -(-k // 8)))
 
     def _select_blocks(self, n: int) -> int:
         # One block per 256 items, at most one per SM: select_write's blocks each sum the counts before them.

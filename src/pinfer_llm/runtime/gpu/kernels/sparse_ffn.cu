@@ -206,10 +206,10 @@ template <class Q, int TT>
 __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride, int cols,
                                             const u32* __restrict__ sel, const int* __restrict__ nsel,
                                             const float* __restrict__ h, int k, int T, float* __restrict__ y) {
-  // Rows loaded side by side, twice over (the pipeline): fragments of at most 64 registers for one token (32 for
-  // Q4_1, whose decoding needs more), one row for two tokens (whose accumulators take 64); more would push ptxas
-  // past the 128 registers that let two blocks share an SM.
-  constexpr int FB = (int)sizeof(typename Q::Frag), BUDGET = Q::MIN ? 128 : 256;
+  // Rows loaded side by side, twice over (the pipeline): fragments of at most 48 registers for one token (32 for
+  // Q4_1, whose decoding needs more): Q4_0 3 rows, Q8_0 2, F16/BF16/F32 1; one row for two tokens (whose
+  // accumulators take 64). More spills on sm_80 under the 128 registers that let two blocks share an SM.
+  constexpr int FB = (int)sizeof(typename Q::Frag), BUDGET = Q::MIN ? 128 : 192;
   constexpr int R = TT > 1 ? 1 : (BUDGET / (2 * FB) > 0 ? BUDGET / (2 * FB) : 1);
   constexpr int NW = 8, SLOT = 1152;  // warps per block; floats per unit and token in the tree's buffer
   // Tile positions p sit at p (a warp writes 512 contiguous bytes per quad: no bank conflicts); tail positions at
