@@ -212,4 +212,5 @@ def test_blocks_per_sm():
     assert blocks_per_sm("sm_89", 256, 123, 36864) == 2  # smem: 2 x 37 KB of 100 KB
     assert blocks_per_sm("sm_89", 128, 40, 0) == 12  # warps: 48 / 4
     assert blocks_per_sm("sm_89", 128, 129, 0) == 3  # 136 regs per thread after rounding
+    assert blocks_per_sm("sm_90", 256, 33, 0) == 6  # 40 after rounding: 51 warps, not 64 / 8
     assert blocks_per_sm("sm_89", 256, 32, 60000) == 1  # smem
