@@ -344,40 +344,38 @@ def run_bench(dev, cp, out: list, copy_gbps: float, d: int, n_ff: int) -> None:
                 s = np.zeros((T, n_ff), np.float32)
                 s[:, rng.choice(n_ff, n_sel, replace=False)] = 1.0
                 scores.append(dev.asarray(s))
-            for g in (None, 8, 16, 32):  # candidate rows per block of the gate/up kernel
-                dev.up_group = g
+            for g in (None, dev.sm_count, 2 * dev.sm_count, 8 * dev.sm_count):  # blocks of the gate/up kernel
+                dev.up_blocks = g
                 t = _time(cp, lambda i, x=x, scores=scores, layers=layers, h_out=h_out: dev.ffn_up(
                     layers[i % COPIES], x, scores=scores[i % COPIES], threshold=0.5, out=h_out), 40)
                 record("sparse_up", f"{L.NAMES[ty]} silu 10% T={T}", t, 2 * n_sel * rb,
-                       group=g or dev._up_group(n_ff))
-            dev.up_group = None
+                       blocks=g or dev._up_blocks(n_ff))
+            dev.up_blocks = None
             hs = []
             for _ in range(COPIES):
                 h = np.zeros((T, n_ff), np.float32)
                 h[:, rng.choice(n_ff, n_sel, replace=False)] = rng.standard_normal((T, n_sel))
                 hs.append(dev.asarray(h))
             y = dev.zeros((T, d))
-            for rpw in (None, 32, 64, 128, 256):
-                dev.down_rows_per_warp = rpw
+            units = -(-d // 1024)
+            for sp in (None, -(-dev.sm_count // units), -(-4 * dev.sm_count // units)):
+                dev.down_splits = sp
                 t = _time(cp, lambda i, hs=hs, y=y, layers=layers: dev.ffn_down(layers[i % COPIES], hs[i % COPIES], y),
                           40)
-                units = -(-d // 1024)
-                used = rpw or dev._down_rows_per_warp(n_ff, units)
-                record("sparse_down", f"{L.NAMES[ty]} 10% T={T}", t, n_sel * rb, rows_per_warp=used,
-                       blocks=units * -(-n_ff // (8 * used)))
-            dev.down_rows_per_warp = None
-        # ReLU gate-first: touched = every selected gate row + the up rows of neurons whose gate is > 0
+                used = sp or dev._down_splits(n_ff, units)
+                record("sparse_down", f"{L.NAMES[ty]} 10% T={T}", t, n_sel * rb, splits=used, blocks=units * used)
+            dev.down_splits = None
+        # ReLU: gate and up rows of every selected neuron (read together: sparse_up no longer skips dead gates' up)
         relu = [dataclasses.replace(f, act=1) for f in layers]
         x = dev.asarray(rng.standard_normal((1, d)).astype(np.float32))
         s = np.zeros((1, n_ff), np.float32)
         sel = rng.choice(n_ff, n_sel, replace=False)
         s[:, sel] = 1.0
         s = dev.asarray(s)
-        g_pos = int((dev.to_numpy(dev.matmul(dev.upload_matrix(gate, ty, d, rows=sel), x)) > 0).sum())
         h_out = dev.empty((1, n_ff))
         t = _time(cp, lambda i, relu=relu, x=x, s=s, h_out=h_out: dev.ffn_up(relu[i % COPIES], x, scores=s,
                                                                              threshold=0.5, out=h_out), 40)
-        record("sparse_up", f"{L.NAMES[ty]} relu 10% T=1", t, (n_sel + g_pos) * rb, up_rows_read=g_pos)
+        record("sparse_up", f"{L.NAMES[ty]} relu 10% T=1", t, 2 * n_sel * rb)
         # dense GEMV over the whole up matrix (an output head or projection: every row)
         for T in (1, 4):
             x = dev.asarray(rng.standard_normal((T, d)).astype(np.float32))

@@ -19,7 +19,7 @@ from cuda_emu import emu, fake_cupy
 from pinfer_llm.runtime.gpu import CudaDevice, ReferenceDevice
 from pinfer_llm.runtime.gpu import cuda as cuda_mod
 from pinfer_llm.runtime.gpu import layout as L
-from pinfer_llm.runtime.gpu.sources import source
+from pinfer_llm.runtime.gpu.sources import KERNEL_DIR, source
 
 ATOMICS = """  atomicAdd(y, v.x);
   atomicAdd(y + 1, v.y);
@@ -52,8 +52,6 @@ PLANTS = {  # name: (module, correct text, planted text, runs, what the detector
         "rms_norm", r"deadlock in block \(\d+,0,0\): 32 threads wait at __syncthreads, 0 at a warp operation, "
         r"\d+ exited"),
 }
-
-
 def _planted(module: str, good: str, bad: str) -> str:
     text = source(module)
     assert text.count(good) == 1, f"the plant's correct text is no longer in {module} (exactly once)"
@@ -64,7 +62,7 @@ def _run(dev, what: str):
     """The kernels a plant sits in, on inputs where several blocks meet (outputs, for the clean runs' check)."""
     rng = np.random.default_rng(7)
     if what == "ffn":
-        d, n_ff = 1024 + 64, 1024  # one tile and a tail; 4 blocks add into every unit (down_rows_per_warp below)
+        d, n_ff = 1024 + 64, 1024  # one tile and a tail; 4 blocks add into every unit (down_splits below)
         up, down = (L.random_rows(rng, L.F16, n_ff, d, 0.3) for _ in range(2))
         x = rng.standard_normal((2, d)).astype(np.float32)
         f = dev.upload_ffn(up, down, L.F16, d, np.arange(n_ff), act="relu_up")  # OPT-style: up, ReLU, down
@@ -78,7 +76,7 @@ def _run(dev, what: str):
 
 def _device():
     dev = CudaDevice(cupy=fake_cupy)
-    dev.down_rows_per_warp = 32  # 8 warps x 32 rows per block: 1024 rows are 4 blocks per output unit
+    dev.down_splits = 4  # 4 blocks add into every output unit, so a plain add loses updates
     return dev
 
 

@@ -6,8 +6,10 @@ compute_80; nothing in the sources differs below sm_90) that ptxas assembles for
 after the same front end, at a third less time. Reports are cached by the hash of source, flags and nvcc version
 ($PINFER_CACHE_DIR/nvcc-tests), so an unchanged source is not compiled twice on a machine.
 
-Decode kernels are all but the 8-token batch variants (*_t8): ptxas spills a few bytes there for its own
-scheduling reasons at any register cap we tried (80 to 255), which costs a 2-8-token batch little.
+Decode kernels are all but the 8-token batch variants (*_t8) and the prefill helpers (dequant_*, ffn_act): ptxas
+spills in the t8 variants for its own scheduling reasons at any register cap we tried (80 to 255), which costs a
+2-8-token batch little. `pytest -s -k occupancy` prints each decode kernel's registers, spills, shared memory and
+blocks per SM on sm_89 (RTX 4090) and sm_90 (H100/H200).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def test_every_type_has_every_entry_point(reports):
         for n in (f"gemv_{t}_t1", f"gemv_{t}_t8", f"dequant_{t}", f"sparse_up_{t}_t1", f"sparse_up_{t}_t8",
                   f"sparse_down_{t}_t1", f"sparse_down_{t}_t2"):
             assert n in names, n
-    for n in ("select_active", "rms_norm", "layer_norm", "rope_kv_store", "attn_partial", "attn_combine", "add_f32",
+    for n in ("select_count", "select_rows", "select_active", "rms_norm", "layer_norm", "rope_kv_store", "attn_partial", "attn_combine", "add_f32",
               "gather_rows_f32"):
         assert n in names, n
 
@@ -135,3 +137,80 @@ def test_parse_ptxas():
            "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
            "ptxas info    : Used 40 registers, used 1 barriers\n")
     assert parse_ptxas(log) == {"k_t1": {"stack": 8, "spill": 16, "regs": 40}}
+
+
+# Per SM: registers, most resident warps and blocks, shared memory (bytes; a block reserves 1 KB more).
+SM_LIMITS = {"sm_89": (65536, 48, 24, 100 * 1024), "sm_90": (65536, 64, 32, 228 * 1024)}
+# Threads per block as runtime/gpu/cuda.py launches them, and the blocks per SM the design counts on (launch
+# bounds' second argument): sparse_down's two blocks share an SM so one block's reduction overlaps the other's
+# stream; sparse_up's sixteen warps per SM keep ~32 KB of its weight loads in flight.
+BLOCK = {"sparse_up": (128, 4), "sparse_down": (256, 2), "gemv": (128, 3), "select": (256, 1), "rms_norm": (256, 1),
+         "layer_norm": (256, 1), "rope_kv_store": (64, 1), "attn_partial": (128, 1), "attn_combine": (128, 1),
+         "add_f32": (256, 1), "gather_rows_f32": (256, 1)}
+
+
+def blocks_per_sm(arch: str, threads: int, regs: int, smem: int) -> int:
+    """Resident blocks per SM by registers (allocated per warp in units of 256), warps, blocks and shared memory."""
+    reg_sm, max_warps, max_blocks, smem_sm = SM_LIMITS[arch]
+    warps = -(-threads // 32)
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = (reg_sm // per_warp) // warps
+    by_smem = smem_sm // (smem + 1024) if smem else max_blocks
+    return min(by_regs, max_warps // warps, max_blocks, by_smem)
+
+
+def parse_smem(log: str) -> dict[str, int]:
+    out, cur = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            cur = m.group(1)
+        elif cur is not None and "Used" in line and "registers" in line:
+            m = re.search(r"(\d+) bytes smem", line)
+            out[cur] = int(m.group(1)) if m else 0
+    return out
+
+
+def _decode_kernel(name: str) -> tuple[int, int] | None:
+    if name.endswith("_t8") or name.startswith("dequant_") or name == "ffn_act":
+        return None
+    for prefix, cfg in BLOCK.items():
+        if name.startswith(prefix):
+            return cfg
+    raise AssertionError(f"{name}: a kernel this test does not know the launch of (add it to BLOCK)")
+
+
+def test_block_sizes_are_what_cuda_py_launches():
+    from pinfer_llm.runtime.gpu import cuda
+
+    assert BLOCK["sparse_up"][0] == cuda.UP_THREADS and BLOCK["select"][0] == cuda.SELECT_THREADS
+
+
+@pytest.mark.parametrize("arch", ("sm_89", "sm_90"))
+def test_decode_kernels_occupancy(reports, arch):
+    """Every decode kernel: no spill, and the blocks per SM its launch bounds ask for (ptxas -v's registers and
+    shared memory against the SM's limits)."""
+    rows, bad = [], []
+    for module in MODULES:
+        log = reports[module, arch][1]
+        smem = parse_smem(log)
+        for name, info in sorted(parse_ptxas(log).items()):
+            cfg = _decode_kernel(name)
+            if cfg is None:
+                continue
+            threads, want = cfg
+            b = blocks_per_sm(arch, threads, info["regs"], smem[name])
+            rows.append(f"{arch} {name:<22} {threads:4d} thr {info['regs']:4d} regs {info.get('spill', 0):4d} B spill "
+                        f"{smem[name]:6d} B smem {b:3d} blocks/SM ({b * threads // 32} warps)")
+            if info.get("spill", 0) or b < want:
+                bad.append(rows[-1] + f": needs {want} blocks/SM, no spill")
+    print("\n" + "\n".join(rows))
+    assert rows and not bad, "\n".join(bad)
+
+
+def test_blocks_per_sm():
+    assert blocks_per_sm("sm_90", 256, 128, 18432) == 2  # 128 regs x 256 threads = half the register file
+    assert blocks_per_sm("sm_89", 256, 123, 36864) == 2  # smem: 2 x 37 KB of 100 KB
+    assert blocks_per_sm("sm_89", 128, 40, 0) == 12  # warps: 48 / 4
+    assert blocks_per_sm("sm_89", 128, 129, 0) == 3  # 136 regs per thread after rounding
+    assert blocks_per_sm("sm_90", 256, 33, 0) == 6  # 40 after rounding: 51 warps, not 64 / 8
+    assert blocks_per_sm("sm_89", 256, 32, 60000) == 1  # smem

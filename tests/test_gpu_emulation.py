@@ -148,13 +148,12 @@ FAULTS = {  # name: (module, file the text is in, correct text, planted text, ch
     "GQA maps query head h to kv head h % n_kv": (
         "attention", "attention.cu", "const int kvh = h / (n_head / n_kv);", "const int kvh = h % n_kv;",
         _check_attention),
-    "no barrier before the warps' partial sums are added": (
-        "sparse_ffn", "sparse_ffn.cu",
-        "      for (int t = 0; t < TM; ++t) p[r][w][t] = mine[r][t];\n  __syncthreads();",
-        "      for (int t = 0; t < TM; ++t) p[r][w][t] = mine[r][t];", _check_ffn),
+    "no barrier between the steps of sparse_down's reduction tree": (
+        "sparse_ffn", "sparse_ffn.cu", "      }\n      __syncthreads();\n      if (wib < half) {",
+        "      }\n      if (wib < half) {", _check_ffn),
     "tail partial sums written without the bank padding": (
-        "sparse_ffn", "sparse_ffn.cu", "is_tail ? 36 * lane + 4 * i : 128 * i + 4 * lane",
-        "is_tail ? 32 * lane + 4 * i : 128 * i + 4 * lane", _check_ffn),
+        "sparse_ffn", "sparse_ffn.cu", "[wslot][t][is_tail ? 36 * lane + 4 * q : 128 * q + 4 * lane]",
+        "[wslot][t][is_tail ? 32 * lane + 4 * q : 128 * q + 4 * lane]", _check_ffn),
 }
 
 

@@ -252,31 +252,125 @@ def test_sparse_ffn_prefill_path(dev, ref, monkeypatch, ty, act):
         assert rel_err(got, want, np.abs(want).max()) < TOL
 
 
-@pytest.mark.parametrize("group", [1, 7, 32])
-def test_sparse_up_group_sizes(dev, ref, group):
-    rng = np.random.default_rng(group)
+@pytest.mark.parametrize("blocks", [1, 3, 200])
+def test_sparse_up_grid_sizes(dev, ref, blocks):
+    """One block (each warp walks many selected rows, the pipeline crossing rows), a few, and more warps than rows
+    (most exit at the count): the same h."""
+    rng = np.random.default_rng(blocks)
     case = _ffn_case(rng, L.Q4_1, "drelu", 100, 1056, 100)
     x = rng.standard_normal((1, 1056)).astype(np.float32)
     scores = rng.random((1, 100)).astype(np.float32)
-    dev.up_group = group
+    dev.up_blocks = blocks
     try:
         (gh, gy), (wh, wy) = on_both(dev, ref, lambda D: _run_ffn(D, case, L.Q4_1, "drelu", 1056, x, scores, 0.5, None))
     finally:
-        dev.up_group = None
+        dev.up_blocks = None
     assert rel_err(gh, wh, np.abs(wh).max()) < TOL and rel_err(gy, wy, np.abs(wy).max()) < TOL
 
 
-@pytest.mark.parametrize("rows_per_warp", [1, 5, 32, 100])
-def test_sparse_down_grid_sizes(dev, ref, rows_per_warp):
-    rng = np.random.default_rng(rows_per_warp)
+@pytest.mark.parametrize("splits", [1, 5, 40])
+def test_sparse_down_grid_sizes(dev, ref, splits):
+    """Shares of 90, 18 and 3 rows per block (fewer than the 8 warps' groups: warps with nothing still meet at the
+    tree's barriers), over the selection and over every row."""
+    rng = np.random.default_rng(splits)
     case = _ffn_case(rng, L.BF16, "silu", 90, 2048 + 96, 90)
     x = rng.standard_normal((3, 2048 + 96)).astype(np.float32)
-    dev.down_rows_per_warp = rows_per_warp
+    scores = rng.random((3, 90)).astype(np.float32)
+    dev.down_splits = splits
     try:
         (_, gy), (_, wy) = on_both(dev, ref, lambda D: _run_ffn(D, case, L.BF16, "silu", 2048 + 96, x, None, 0, None))
+        g2, w2 = on_both(dev, ref, lambda D: _ffn_whole(D, case, L.BF16, "silu", 2048 + 96, x, scores, 0.5))
     finally:
-        dev.down_rows_per_warp = None
+        dev.down_splits = None
     assert rel_err(gy, wy, np.abs(wy).max()) < TOL
+    assert rel_err(g2, w2, np.abs(w2).max()) < TOL
+
+
+def _ffn_whole(D, case, ty, act, d, x, scores, threshold, cats=None):
+    """ffn(): sparse_down over the selection sparse_up made (not ffn_down's pass over every row)."""
+    f = D.upload_ffn(case["up"], case["down_t"], ty, d, case["bucket"], act=act, gate=case["gate"],
+                     up_bias=case["bias"])
+    y0 = np.linspace(-1, 1, x.shape[0] * d, dtype=np.float32).reshape(x.shape[0], d)
+    return D.ffn(f, D.asarray(x), scores=None if scores is None else D.asarray(scores), threshold=threshold,
+                 cats=cats, out=D.asarray(y0))
+
+
+@pytest.mark.parametrize("ty", L.TYPES, ids=L.NAMES.get)
+def test_ffn_over_the_device_selection(dev, ref, ty):
+    """ffn() with scores: the selection made on the device, sparse_up and sparse_down over its list. Every weight
+    type; T = 1, 3 and 9 (two chunks of tokens, each its own selection); none, some and all rows selected; a gated
+    and a gate-less code; odd k and a width with a tail."""
+    rng = np.random.default_rng(zlib.crc32(f"whole {ty}".encode()))
+    n_ff, d, k = 150, 1056, 77
+    for act in ("silu", "gelu_up"):
+        case = _ffn_case(rng, ty, act, n_ff, d, k)
+        for T, thr in ((1, 0.7), (3, 2.0), (3, 0.7), (3, -1.0), (9, 0.7)):  # thr: ~30% per token; none; all
+            x = rng.standard_normal((T, d)).astype(np.float32)
+            scores = rng.random((T, n_ff)).astype(np.float32)
+            got, want = on_both(dev, ref, lambda D, x=x, s=scores, t=thr: _ffn_whole(D, case, ty, act, d, x, s, t))
+            assert rel_err(got, want, np.abs(want).max()) < TOL, (act, T, thr)
+
+
+def _select_on_device(dev, scores, bucket, threshold, T, k):
+    sel, count, counts = dev.empty((k,), np.uint32), dev.empty((1,), np.int32), dev.empty((dev.sm_count,), np.int32)
+    zero = dev.asarray(np.full((T, k), 7.0, np.float32))
+    dev._select("select_rows", k, T, sel, count, counts, scores=dev.asarray(scores), bucket=dev.asarray(bucket),
+                n_ff=scores.shape[1], threshold=threshold, zero=zero)
+    n = int(dev.to_numpy(count)[0])
+    return dev.to_numpy(sel)[:n], dev.to_numpy(zero)
+
+
+@pytest.mark.parametrize("k,T", [(1, 1), (255, 8), (700, 3)])
+def test_row_selection_is_the_ascending_list_with_tokens(dev, k, T):
+    """select_count + select_rows: the GPU rows any token selects, ascending (several blocks of several rounds at
+    k = 700: 2 emulated SMs), each with its tokens' bits, and h zeroed exactly where a token does not select."""
+    rng = np.random.default_rng(k)
+    n_ff = k + 13
+    bucket = rng.permutation(n_ff)[:k].astype(np.int32)
+    scores = rng.random((T, n_ff)).astype(np.float32)
+    entries, zero = _select_on_device(dev, scores, bucket, 0.8, T, k)
+    on = scores[:, bucket] >= 0.8  # [T, k]
+    rows = np.flatnonzero(on.any(0))
+    np.testing.assert_array_equal(entries & 0xFFFFFF, rows)
+    np.testing.assert_array_equal(entries >> 24, (on[:, rows] << np.arange(T)[:, None]).sum(0))
+    np.testing.assert_array_equal(zero == 0, ~on)  # selected stay as they were (sparse_up writes them)
+    assert _select_on_device(dev, scores, bucket, 2.0, T, k)[0].size == 0
+    assert _select_on_device(dev, scores, bucket, -1.0, T, k)[0].size == k
+
+
+def test_launches_do_not_depend_on_the_selection(dev, monkeypatch):
+    """Grids and blocks depend on shapes and T only (a captured CUDA graph replays them for any step): the same
+    launches for no row, some rows and every row selected."""
+    rng = np.random.default_rng(11)
+    case = _ffn_case(rng, L.Q4_0, "relu", 150, 1056, 77)
+    seen = []
+    launch = CudaDevice._launch
+    monkeypatch.setattr(CudaDevice, "_launch", lambda self, m, name, grid, block, args: (
+        seen.append((name, tuple(grid), tuple(block))), launch(self, m, name, grid, block, args))[1])
+    x = rng.standard_normal((2, 1056)).astype(np.float32)
+    runs = []
+    for thr in (2.0, 0.5, -1.0):
+        seen.clear()
+        _ffn_whole(dev, case, L.Q4_0, "relu", 1056, x, rng.random((2, 150)).astype(np.float32), thr)
+        runs.append(list(seen))
+    assert runs[0] == runs[1] == runs[2] and [n for n, *_ in runs[0]] == [
+        "select_count", "select_rows", "sparse_up_q4_0_t8", "sparse_down_q4_0_t2"], runs[0]
+
+
+def test_gate_and_up_rows_are_adjacent_on_the_device(dev):
+    """A neuron's gate and up rows are one contiguous stretch of device memory (sparse_up streams them together);
+    the gate and up matrices remain ordinary matrices for gemv, dequant and the prefill GEMM."""
+    rng = np.random.default_rng(12)
+    case = _ffn_case(rng, L.Q8_0, "silu", 40, 1056, 9)
+    f = dev.upload_ffn(case["up"], case["down_t"], L.Q8_0, 1056, case["bucket"], act="silu", gate=case["gate"])
+    stride = L.device_stride(L.Q8_0, 1056)
+    flat = dev.to_numpy(f.gate.data)
+    assert f.gate.stride == f.up.stride == 2 * stride and flat.size == 2 * 9 * stride
+    pairs = flat.reshape(9, 2, stride)
+    for m, half in ((case["gate"], 0), (case["up"], 1)):
+        np.testing.assert_array_equal(pairs[:, half], L.to_device(m[case["bucket"]], L.Q8_0, 1056))
+    np.testing.assert_array_equal(dev.to_numpy(dev.dequant_rows(f.up)),
+                                  L.dequantize(case["up"][case["bucket"]], L.Q8_0, 1056))
 
 
 def test_no_active_row(dev, ref):

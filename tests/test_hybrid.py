@@ -514,7 +514,8 @@ def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
         launched.clear()
         m.transformer.forward(torch.tensor([7]), 2)
     layer = ["rms_norm", "gemv_f32_t1", "rope_kv_store", "attn_partial", "attn_combine", "gemv_f32_t1", "rms_norm",
-             "gemv_f16_t1", "sparse_down_f16_t1", "select_active", "sparse_up_f32_t1", "sparse_down_f32_t1"]
+             "gemv_f16_t1", "sparse_down_f16_t1", "select_count", "select_active", "select_count", "select_rows",
+             "sparse_up_f32_t1", "sparse_down_f32_t1"]
     assert launched == layer * cfg.n_layer + ["rms_norm", "gemv_f32_t1"], launched  # + the head's
 
 

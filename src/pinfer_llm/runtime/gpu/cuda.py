@@ -29,6 +29,9 @@ from pinfer_llm.runtime.gpu.weights import (
 NVRTC_OPTIONS = ("--std=c++17",)
 NULL = np.uint64(0)  # a null pointer argument (CuPy passes numpy scalars by value)
 MAX_T = 8  # tokens per launch of the decode kernels (gemv, sparse_up); more loop in chunks of 8
+UP_THREADS = 128  # sparse_up's block (its launch bounds: 4 such blocks per SM)
+SELECT_THREADS = 256  # predictor.cu's SELECT_THREADS
+SEL_MAX_ROWS = 1 << 24  # a selection entry holds the GPU row in 24 bits (predictor.cu select_rows)
 PREFILL_T = 32  # from this many tokens matmul dequantises W in tiles and multiplies with cuBLAS
 # f32 workspace of one dequantised tile of W for the prefill path, and the most chunks attention splits a context
 # into (its partial sums are [T, n_head, chunks, hd + 2]): bounds the planner's workspace counts on
@@ -75,10 +78,11 @@ class CudaDevice:
         self.name = f"cuda:{device_id} ({self.sm_count} SMs, compute capability {self.device.compute_capability})"
         self._modules: dict[str, object] = {}
         self._kernels: dict[str, object] = {}  # by kernel name (unique across the modules)
-        # Grid shapes: None picks by the rules in _up_group / _down_rows_per_warp; benchmarks/gpu_check.py sweeps
-        # them on a real GPU.
-        self.up_group: int | None = None
-        self.down_rows_per_warp: int | None = None
+        # Grid shapes: None picks by the rules in _up_blocks / _down_splits; benchmarks/gpu_check.py sweeps them on
+        # a real GPU. They depend on shapes only, never on a step's data (a captured CUDA graph replays them).
+        self.up_blocks: int | None = None
+        self.down_splits: int | None = None
+        self._pred_counts = None  # select_count's per-block counts for predict's selection (sm_count int32)
         self.attn_chunk = _mem.ATTN_CHUNK
 
     def start_timeline(self) -> Timeline:
@@ -166,10 +170,30 @@ class CudaDevice:
         n_ff = layout.as_rows(up, ty, n_embd).shape[0]
         if bucket.size and (bucket.min() < 0 or bucket.max() >= n_ff):
             raise ValueError(f"bucket holds neurons outside 0..{n_ff - 1}")
+        if bucket.size >= SEL_MAX_ROWS:
+            raise ValueError(f"{bucket.size} GPU rows in one layer: the kernels' selection holds at most "
+                             f"{SEL_MAX_ROWS - 1}")
         bias = None if up_bias is None else self.asarray(np.asarray(up_bias, np.float32)[bucket])
-        return FFNRows(act, n_ff, None if gate is None else self.upload_matrix(gate, ty, n_embd, bucket),
-                       self.upload_matrix(up, ty, n_embd, bucket), self.upload_matrix(down_t, down_ty, n_embd, bucket),
-                       self.asarray(bucket), bias)
+        if gate is None:
+            g, u = None, self.upload_matrix(up, ty, n_embd, bucket)
+        else:
+            g, u = self._upload_pair(gate, up, ty, n_embd, bucket)
+        k = bucket.size
+        work = self.empty((k + 1 + self.sm_count,), np.int32)  # the selection: entries, count, per-block counts
+        return FFNRows(act, n_ff, g, u, self.upload_matrix(down_t, down_ty, n_embd, bucket), self.asarray(bucket),
+                       bias, (work[:k].view(np.uint32), work[k:k + 1], work[k + 1:]))
+
+    def _upload_pair(self, gate, up, ty: int, cols: int, bucket) -> tuple[Matrix, Matrix]:
+        # A neuron's gate and up rows adjacent: device rows 2j and 2j + 1 of one buffer, so sparse_up reads one
+        # contiguous 2 * stride bytes per neuron. Both Matrix views keep the usual kernel interface with a row stride
+        # of 2 * stride (gemv, dequant_rows and the prefill GEMM read them as they read any matrix).
+        stride = layout.device_stride(ty, cols)
+        rows = [layout.to_device(gather_rows(m, ty, cols, bucket), ty, cols) for m in (gate, up)]
+        both = np.empty((rows[0].shape[0], 2, stride), np.uint8)
+        both[:, 0], both[:, 1] = rows
+        flat = self.asarray(both).reshape(-1)
+        k = rows[0].shape[0]
+        return (Matrix(ty, k, cols, flat, 2 * stride), Matrix(ty, k, cols, flat[stride:], 2 * stride))
 
     def upload_predictor(self, fc1, fc2) -> PredictorWeights:
         return upload_predictor(self.upload_matrix, fc1, fc2)
@@ -230,36 +254,59 @@ class CudaDevice:
     def ffn_up(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
         """h[T, k]: the activations of the GPU rows; 0 where a token's score (original neuron ids) < threshold."""
         T = x.shape[0]
-        _check(x, (T, ffn.d), "x")
-        if scores is not None:
-            _check(scores, (T, ffn.n_ff) if scores.ndim == 2 else (ffn.n_ff,), "scores")
-            if scores.ndim == 1:
-                scores = scores.reshape(T, ffn.n_ff)
+        scores = self._check_up(ffn, x, scores)
         h = self.empty((T, ffn.k)) if out is None else out
         _check(h, (T, ffn.k), "out")
         if ffn.k == 0:
             return h
-        g = self.up_group or self._up_group(ffn.k)
-        nb = ffn.d // 32
-        warps = min(6, nb // 32 + (nb % 32 > 0))  # a tile per warp (Llama widths: 4 to 8 tiles); 192 threads
-        name = layout.NAMES[ffn.up.ty]
         for t0 in range(0, T, MAX_T):
             n = min(MAX_T, T - t0)
             # one launch (decode) takes the arrays as they are: each CuPy slice costs the host microseconds
             xs, hs, ss = (x, h, scores) if n == T else (x[t0:t0 + n], h[t0:t0 + n],
                                                          None if scores is None else scores[t0:t0 + n])
-            self._launch("sparse_ffn", f"sparse_up_{name}_t{1 if n == 1 else MAX_T}", (-(-ffn.k // g),), (32 * warps,),
-                         (_ptr(None if ffn.gate is None else ffn.gate.data), ffn.up.data, np.int64(ffn.up.stride),
-                          _i32(ffn.d), ffn.bucket, _i32(ffn.k), _ptr(ss), _i32(ffn.n_ff), np.float32(threshold),
-                          _ptr(ffn.bias), _i32(ffn.act), np.float32(-1.0 if cats is None else cats), xs, _i32(n), hs,
-                          _i32(g)))
+            self._up(ffn, xs, ss, threshold, cats, hs)
         return h
+
+    def _check_up(self, ffn: FFNRows, x, scores):
+        _check(x, (x.shape[0], ffn.d), "x")
+        if scores is not None:
+            _check(scores, (x.shape[0], ffn.n_ff) if scores.ndim == 2 else (ffn.n_ff,), "scores")
+            if scores.ndim == 1:
+                scores = scores.reshape(x.shape[0], ffn.n_ff)
+        return scores
+
+    def _up(self, ffn: FFNRows, x, scores, threshold, cats, h):
+        """h for n <= MAX_T tokens; returns the selection (entries, count) on the device, or (None, None): every
+        row for every token."""
+        n = x.shape[0]
+        sel = nsel = None
+        if scores is not None:
+            sel, nsel, counts = ffn.work
+            self._select("select_rows", ffn.k, n, sel, nsel, counts, scores=scores, bucket=ffn.bucket,
+                         n_ff=ffn.n_ff, threshold=threshold, zero=h)
+        blocks = self.up_blocks or self._up_blocks(ffn.k)
+        self._launch("sparse_ffn", f"sparse_up_{layout.NAMES[ffn.up.ty]}_t{1 if n == 1 else MAX_T}", (blocks,),
+                     (UP_THREADS,),
+                     (_ptr(None if ffn.gate is None else ffn.gate.data), ffn.up.data, np.int64(ffn.up.stride),
+                      _i32(ffn.d), _ptr(sel), _ptr(nsel), _i32(ffn.k), _ptr(ffn.bias), _i32(ffn.act),
+                      np.float32(-1.0 if cats is None else cats), x, _i32(n), h))
+        return sel, nsel
+
+    def _select(self, name, n, T, out, count, counts, *, scores=None, bucket=None, n_ff=0, threshold=0.0,
+                skip=None, zero=None):
+        """predictor.cu's two passes: out[0..count) = the selected items of n in ascending order (select_rows:
+        entries with their tokens; select_active: ids), count[0] their number, all on the device."""
+        blocks = self._select_blocks(n)
+        args = (_ptr(scores), _ptr(bucket), _i32(n_ff), np.float32(threshold), _ptr(skip), _i32(T), _i32(n))
+        self._launch("predictor", "select_count", (blocks,), (SELECT_THREADS,), (*args, _ptr(zero), counts))
+        self._launch("predictor", name, (blocks,), (SELECT_THREADS,), (*args, counts, out, count))
 
     def ffn_down(self, ffn: FFNRows, h, out):
         """out[T, d] += h[T, k] @ down_t (rows whose h is 0 for every token are not read)."""
         return self._axpy(ffn.down, h, out)
 
-    def _axpy(self, w: Matrix, h, out):
+    def _axpy(self, w: Matrix, h, out, sel=None, nsel=None):
+        """out += h @ W over the rows of the selection (sel/nsel from _up), or over every row whose h is not 0."""
         T = h.shape[0]
         _check(h, (T, w.rows), "h")
         _check(out, (T, w.cols), "out")
@@ -267,10 +314,10 @@ class CudaDevice:
             return out
         nb = w.cols // 32
         units = nb // 32 + (nb % 32 > 0)
-        rpw = self.down_rows_per_warp or self._down_rows_per_warp(w.rows, units)
-        splits = -(-w.rows // (8 * rpw))
+        splits = self.down_splits or self._down_splits(w.rows, units)
         self._launch("sparse_ffn", f"sparse_down_{layout.NAMES[w.ty]}_t{1 if T == 1 else 2}", (units, splits),
-                     (256,), (w.data, np.int64(w.stride), _i32(w.cols), h, _i32(w.rows), _i32(T), out, _i32(rpw)))
+                     (256,), (w.data, np.int64(w.stride), _i32(w.cols), _ptr(sel), _ptr(nsel), h, _i32(w.rows),
+                              _i32(T), out))
         return out
 
     def ffn(self, ffn: FFNRows, x, *, scores=None, threshold=0.0, cats=None, out=None):
@@ -278,9 +325,21 @@ class CudaDevice:
         tokens on, GEMMs over dequantised tiles of the rows (_ffn_prefill) instead of the sparse kernels."""
         if out is None:
             out = self.zeros((x.shape[0], ffn.d))
-        if x.shape[0] >= PREFILL_T:
+        T = x.shape[0]
+        if T >= PREFILL_T:
             return self._ffn_prefill(ffn, x, scores, threshold, cats, out)
-        return self.ffn_down(ffn, self.ffn_up(ffn, x, scores=scores, threshold=threshold, cats=cats), out)
+        scores = self._check_up(ffn, x, scores)
+        _check(out, (T, ffn.d), "out")
+        if ffn.k == 0 or T == 0:
+            return out
+        for t0 in range(0, T, MAX_T):  # sparse_down runs over the selection sparse_up just made
+            n = min(MAX_T, T - t0)
+            xs, ys, ss = (x, out, scores) if n == T else (x[t0:t0 + n], out[t0:t0 + n],
+                                                         None if scores is None else scores[t0:t0 + n])
+            h = self.empty((n, ffn.k))
+            sel, nsel = self._up(ffn, xs, ss, threshold, cats, h)
+            self._axpy(ffn.down, h, ys, sel, nsel)
+        return out
 
     def _ffn_prefill(self, ffn: FFNRows, x, scores, threshold, cats, out):
         # Many tokens select most rows between them, so the sparse kernels would read nearly every row once per 8
@@ -307,14 +366,21 @@ class CudaDevice:
             out += self.cp.matmul(h, self.dequant_rows(ffn.down, idx))
         return out
 
-    def _up_group(self, k: int) -> int:
-        # Candidate rows per block: about 4 blocks per SM, 8 to 32 rows (one ballot) each.
-        return max(8, min(32, -(-k // (4 * self.sm_count))))
+    def _up_blocks(self, k: int) -> int:
+        # sparse_up: 4 blocks of 4 warps per SM (its launch bounds), a warp per selected row at a time, never more
+        # warps than rows; past the count, warps exit at once.
+        return max(1, min(-(-k // (UP_THREADS // 32)), 4 * self.sm_count))
 
-    def _down_rows_per_warp(self, k: int, units: int) -> int:
-        # About two blocks per SM: each block adds its unit to y once (4 KB of atomics per token), so fewer, fuller
-        # blocks keep atomics a small share of the weight bytes; at least 32 rows (one ballot) per warp.
-        return 32 * max(1, -(-k * units // (2 * self.sm_count * 8 * 32)))  # whole ballots of 32 rows
+    def _down_splits(self, k: int, units: int) -> int:
+        # sparse_down: two blocks of 8 warps per SM (its launch bounds), units x splits of them in one wave (a
+        # 5-tile Llama-13B row on 132 SMs: 5 x 52 = 260 blocks, where rounding up would leave one block for a
+        # second wave); each block adds its unit to y once (4 KB of atomics per token, ~7% of a 10% 13B layer's
+        # weight bytes). No more splits than 8-row groups of all k rows.
+        return max(1, min(2 * self.sm_count // units, -(-k // 8)))
+
+    def _select_blocks(self, n: int) -> int:
+        # One block per 256 items, at most one per SM: select_write's blocks each sum the counts before them.
+        return max(1, min(-(-n // SELECT_THREADS), self.sm_count))
 
     def predict(self, pred: PredictorWeights, x, *, threshold=0.0, skip=None, ids=False, found=None):
         """scores[T, n_ff] = fc2 @ relu(fc1 @ x); with ids also found, int32 [1 + n_ff]: found[0] = count, then
@@ -329,9 +395,10 @@ class CudaDevice:
             return scores
         found = self.empty((1 + pred.n_ff,), np.int32) if found is None else found
         _check(found, (1 + pred.n_ff,), "found")
-        self._launch("predictor", "select_active", (1,), (1024,),
-                     (scores, _i32(x.shape[0]), _i32(pred.n_ff), np.float32(threshold), _ptr(skip), found[1:],
-                      found[:1]))
+        if self._pred_counts is None:
+            self._pred_counts = self.empty((self.sm_count,), np.int32)
+        self._select("select_active", pred.n_ff, x.shape[0], found[1:], found[:1], self._pred_counts, scores=scores,
+                     n_ff=pred.n_ff, threshold=threshold, skip=skip)
         return scores, found
 
     # ---- norms, attention, small ops

@@ -46,7 +46,10 @@ class Matrix:
 @dataclass(eq=False)
 class FFNRows:
     """One layer's GPU-resident neurons: k rows of gate (None for gate-less acts), up and down_t, GPU row j being
-    neuron bucket[j]; bias: the up bias of those neurons in the same order (gate-less acts), or None."""
+    neuron bucket[j]; bias: the up bias of those neurons in the same order (gate-less acts), or None.
+    CudaDevice keeps a neuron's gate and up rows adjacent (one buffer, gate and up Matrix views with a row stride of
+    two rows) and `work`: the device's selection buffers for this layer (entries, count, per-block counts),
+    allocated once at upload."""
 
     act: int
     n_ff: int
@@ -55,6 +58,7 @@ class FFNRows:
     down: Matrix
     bucket: Any  # int32 [k] on the device
     bias: Any = None  # fp32 [k] on the device
+    work: Any = None  # CudaDevice: (entries int32 [k], count int32 [1], counts int32 [sm_count])
 
     @property
     def k(self) -> int:

@@ -219,22 +219,42 @@ struct Rows { static constexpr int R = TM > 1 ? 1 : Q::R; };
 #define PINFER_FOR_TYPES(X) X(f32, TF32) X(f16, TF16) X(bf16, TBF16) X(q4_0, TQ4_0) X(q4_1, TQ4_1) X(q8_0, TQ8_0)
 
 // acc[r][t] += (row r's quads) . (token t's x at those positions), one unit (tile or tail block) of one lane.
+// x's loads are issued together before the arithmetic that needs them: for one token the 8 quads of the unit, for
+// more tokens each quad's TM tokens (8 float4 loads either way, in flight at once; issued one per quad between
+// FMAs they are 8 serialised L1 round trips per tile). T >= 1: the one-token kernels are never launched for none.
 template <class Q, int R, int TM>
 __device__ __forceinline__ void dot_unit(float (&acc)[R][TM], const typename Q::Frag (&f)[R], const float* xp,
                                          int qstride, int ldx, int T) {
+  if constexpr (TM == 1) {
+    float4 xv[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    Quad qd[R];
+    for (int i = 0; i < 8; ++i) xv[i] = ldf4(xp + i * qstride);
 #pragma unroll
-    for (int r = 0; r < R; ++r) qd[r] = Q::quad(f[r], i);
+    for (int i = 0; i < 8; ++i) {
+      const float xs = Q::MIN ? sum4(xv[i]) : 0.f;
 #pragma unroll
-    for (int t = 0; t < TM; ++t) {
-      if (t < T) {
-        const float4 xv = ldf4(xp + (i64)t * ldx + i * qstride);  // one x load serves R rows
-        const float xs = Q::MIN ? sum4(xv) : 0.f;
+      for (int r = 0; r < R; ++r) {
+        const Quad qd = Q::quad(f[r], i);
+        acc[r][0] = fmaf(qd.d, dot4(qd.q, xv[i]), acc[r][0]);
+        if (Q::MIN) acc[r][0] = fmaf(qd.m, xs, acc[r][0]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float4 xv[TM];
+#pragma unroll
+      for (int t = 0; t < TM; ++t)
+        xv[t] = t < T ? ldf4(xp + (i64)t * ldx + i * qstride) : make_float4(0.f, 0.f, 0.f, 0.f);
+      Quad qd[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) qd[r] = Q::quad(f[r], i);
+#pragma unroll
+      for (int t = 0; t < TM; ++t) {
+        const float xs = Q::MIN ? sum4(xv[t]) : 0.f;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          acc[r][t] = fmaf(qd[r].d, dot4(qd[r].q, xv), acc[r][t]);
+          acc[r][t] = fmaf(qd[r].d, dot4(qd[r].q, xv[t]), acc[r][t]);
           if (Q::MIN) acc[r][t] = fmaf(qd[r].m, xs, acc[r][t]);
         }
       }
@@ -292,14 +312,6 @@ __device__ __forceinline__ void dot_rows(float (&acc)[R][TM], const u8* const (&
       if (t < T)
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(FULL_MASK, acc[r][t], o);
-}
-
-// The lowest set bit of *todo, removed; -1 when none is left.
-__device__ __forceinline__ int take_lowest(u32& todo) {
-  if (!todo) return -1;
-  const int l = __ffs(todo) - 1;
-  todo &= todo - 1;
-  return l;
 }
 
 // y[0..3] += v atomically: one 16-byte reduction on Hopper, four 4-byte ones elsewhere. PINFER_ARCH: the CPU

@@ -1,40 +1,32 @@
 // Sparse FFN over a layer's GPU-resident neurons (PowerInfer's GPU half, in pinfer's own code).
 //
-// The GPU holds, per layer, k "GPU rows" in the device layout (quant.cuh): gate [k, d] (absent for gate-less FFNs),
-// up [k, d] and down_t [k, d] (row j = neuron bucket[j]'s output column), gathered from the file in bucket order.
+// The GPU holds, per layer, k "GPU rows" in the device layout (quant.cuh): gate and up (a neuron's two rows
+// adjacent: row 2j and 2j + 1 of one buffer, runtime/gpu/cuda.py _upload_pair; gate-less FFNs hold up only) and
+// down_t [k, d] (row j = neuron bucket[j]'s output column), gathered from the file in bucket order.
 //
-// Stage A, sparse_up_<type>_t<TM>: h[T, k] = act(gate . x, up . x) on the rows the predictor selects.
-//   A block owns `group` (<= 32) consecutive GPU rows, one per lane: each lane reads its row's scores (indexed
-//   by the ORIGINAL neuron id bucket[j]; scores[t, :] per token), a ballot gives the rows any token selects, and
-//   the block streams them R at a time, its W warps splitting each row's 1024-wide tiles (quant.cuh dot_rows:
-//   16-byte coalesced loads, R rows side by side), partial sums added in shared memory. A row no token selects is
-//   never read.
-//   ReLU family (codes 1, 2) and SwiGLU with a CATS threshold: the gate rows are read first; a row whose
-//   activation is exactly zero for every selected token (gate <= 0; |silu(gate)| <= t) never has its up row read.
+// Step 0, predictor.cu select_count + select_rows: the selection, on the device: the ascending GPU rows that any
+//   token selects (scores[t, bucket[j]] >= threshold), each with its tokens' bits, and their count; h = 0 for the
+//   rest. No later kernel looks at scores or bucket again, and no launch depends on the count.
+// Step 1, sparse_up_<type>_t<TM>: h[t, j] = act(gate_j . x_t, up_j . x_t) for the selected rows (0 for a token
+//   that did not select the row: each token's result is what it would be alone). A gathered GEMV: one warp per
+//   selected row at a time, its gate and up rows streamed together with 16-byte loads, the next unit (tile or
+//   tail) in flight while the current one is multiplied, across rows too; no shared memory, no barrier.
 //   Gate-less codes 3, 4 read only the up row (which plays the gate's role), h = relu/gelu(up . x + b).
-//   Token t's h is 0 where its own score is below the threshold (a batch runs on the union of its tokens' rows;
-//   each token's result is what it would be alone).
-// Stage B, sparse_down_<type>_t<TT>: y[T, d] += sum_j h[t, j] * down_t[j, :], rows with h == 0 for every token
-//   never read. Each block owns one column unit (a 1024-wide tile, or the tail) of y and a range of rows; each
-//   lane accumulates its 32 positions of the unit over its warp's rows in registers (the same positions it loads,
-//   so no shuffles), the block's warps add their partial sums in shared memory, and the block adds the unit to y
-//   with one atomic per 4 floats (a 16-byte atomic on Hopper). Why partial sums and not PowerInfer's atomic per
-//   element per row: an active row of a 5120-wide Q4_0 matrix is 2.9 KB of weights but would be 20 KB of atomics.
-//   Here atomics cost 4 KB per block and block, and a block covers 8 * rows_per_warp rows, so they stay a fraction
-//   of the weight bytes when rows_per_warp is sized to the active rows (runtime/gpu/cuda.py picks the grid).
-//   Tokens are processed TT at a time (acc is 32 * TT registers); more tokens loop over the rows again, from L2.
+// Step 2, sparse_down_<type>_t<TT>: y[T, d] += sum_j h[t, j] * down_t[j, :] over the same selection (or over
+//   every row, for ffn_down alone and the predictor's fc2), rows with h == 0 for every token never read. Each
+//   block owns one column unit (a 1024-wide tile, or the tail) of y and a share of the selection; each lane
+//   accumulates its 32 positions of the unit over its warp's rows in registers (the same positions it loads, so no
+//   shuffles), the warps' sums meet in a 3-level tree in shared memory, and warp 0 adds the unit to y with one
+//   atomic per 4 floats (a 16-byte atomic on Hopper). Why partial sums and not PowerInfer's atomic per element per
+//   row: an active row of a 5120-wide Q4_0 matrix is 2.9 KB of weights but would be 20 KB of atomics; here a block
+//   adds 4 KB per token, about two blocks per SM. Tokens are processed TT at a time (acc is 32 * TT registers);
+//   more tokens loop over the rows again, from L2.
 //
-// Measured (benchmarks/gpu_check.py on an H200, CUDA graphs, copy 4.25 TB/s; Llama-13B layer, 10% of 13824 rows
-// active, one token): F16 gate+up 19 us = 35% of copy, down 9.6 us = 35%; Q8_0 20% / 21%; Q4_0 11% / 10%
-// (dequantising 4-bit to fp32 is arithmetic-bound). A 10% layer is only 28 + 14 MB, so the few dependent memory
-// round trips per kernel (bucket -> scores -> rows -> h; h -> rows -> atomics) dominate: the 70% goal needs fewer of
-// them (scores already in GPU-row order from the predictor, stages fused), not wider loads. The dense GEMV of the
-// same types reads at 90% (F16), 47% (Q8_0), 31% (Q4_0) of copy. 8-token variants spill and run 4-6x slower than
-// one token: see runtime/gpu/__init__.py.
-//
-// Launch: sparse_up: 32 * W threads per block, W = min(6, tiles + tail) (a tile per warp), grid.x *
-//         group >= k (or fewer: blocks stride).
-//         sparse_down: 256 threads per block, grid = (ntile + (ntail > 0), ceil(k / (8 * rows_per_warp))).
+// Measured before this design (benchmarks/gpu_check.py on an H200, CUDA graphs, copy 4.25 TB/s; Llama-13B layer,
+// 10% of 13824 rows active, one token): F16 gate+up 19 us = 35% of copy, down 9.6 us = 35%; Q8_0 20% / 21%; Q4_0
+// 11% / 10%. A 10% layer is only 28 + 14 MB, so the dependent memory round trips per kernel (bucket -> scores ->
+// rows -> h; h -> rows -> atomics) dominated; this design removes them from the weight stream (docs/gpu.md: the
+// static estimate, not yet measured on a GPU).
 
 #include "quant.cuh"
 
@@ -62,251 +54,289 @@ __device__ __forceinline__ float activate(int act, float g, float u, float b, fl
   }
 }
 
-// Sum the W warps' partial dots of phase n (buffer n & 1) into tot. One barrier per phase is enough with two
-// buffers: a warp writes buffer b for phase n + 2 only after the barrier of phase n + 1, which every thread reaches
-// after reading phase n's buffer b.
-template <int N, int RP, int TM>
-__device__ __forceinline__ void block_reduce_rows(float (&tot)[N][TM], float (&part)[2][RP][8][TM],
-                                                  const float (&mine)[N][TM], int& phase) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  float(&p)[RP][8][TM] = part[phase & 1];
-  if (lane == 0)
-#pragma unroll
-    for (int r = 0; r < N; ++r)
-#pragma unroll
-      for (int t = 0; t < TM; ++t) p[r][w][t] = mine[r][t];
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < N; ++r)
-#pragma unroll
-    for (int t = 0; t < TM; ++t) {
-      float v = 0.f;
-      for (int i = 0; i < nw; ++i) v += p[r][i][t];  // fixed order: the result does not depend on timing
-      tot[r][t] = v;
-    }
-  ++phase;
-}
+// A selection entry (predictor.cu select_rows): GPU row in the low 24 bits, bit 24 + t set when token t selects it.
+#define SEL_ROW(e) ((int)((e) & 0xffffffu))
+#define SEL_TOKENS(e) ((e) >> 24)
 
-// A block owns `group` (<= 32) candidate rows at a time; its W warps split each row's units (tiles, tail)
-// between them, so a row costs about one memory latency per phase however long it is, and the warps' partial sums
-// meet in shared memory. (One warp per row with a double-buffered tile loop paid one latency per tile: measured
-// 27 us for a 10% F16 Llama-13B layer on an H200.) Every warp evaluates the same candidates, so the loop over the
-// selected rows is uniform across the block.
-template <class Q, int TM>
-__device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8* __restrict__ up, i64 stride,
-                                          int cols, const int* __restrict__ bucket, int k,
-                                          const float* __restrict__ scores, int n_ff, float threshold,
-                                          const float* __restrict__ bias, int act, float cats,
-                                          const float* __restrict__ x, int T, float* __restrict__ h, int group) {
-  constexpr int R = Rows<Q, TM>::R;
-  __shared__ float part[2][2 * R][8][TM];
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const bool gated = act <= ACT_DRELU;
-  // SwiGLU without CATS has no zero activations: the gate cannot rule out the up row.
-  const bool gate_first = gated && (act != ACT_SILU || cats >= 0.f);
-  int phase = 0;
-  for (int j0 = blockIdx.x * group; j0 < k; j0 += gridDim.x * group) {
-    const int j = j0 + lane;
-    const bool mine = lane < group && j < k;
-    u32 on = 0;  // bit t: token t selects this lane's row
-    if (mine) {
-      if (scores) {
-        const int n = bucket[j];
-        for (int t = 0; t < T; ++t) on |= (u32)(scores[(i64)t * n_ff + n] >= threshold) << t;
-      } else {
-        on = (1u << T) - 1u;
-      }
-      if (!on && w == 0)
-        for (int t = 0; t < T; ++t) h[(i64)t * k + j] = 0.f;
-    }
-    u32 todo = __ballot_sync(FULL_MASK, on != 0);
-    while (todo) {  // block-uniform: todo is the same in every thread
-      int li[R];
-      bool live[R];
-      const u8* grow[R];
-      const u8* urow[R];
-      u32 ron[R];
+// One unit (tile u < ntile, or the tail) of NR rows, for one lane; rows past ntail of the tail read nothing.
+template <class Q, int NR>
+__device__ __forceinline__ void load_unit(typename Q::Frag (&f)[NR], const u8* const (&base)[NR], i64 off, int u,
+                                          int ntile, int ntail, int lane) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        li[r] = take_lowest(todo);
-        live[r] = li[r] >= 0;
-        const i64 row = j0 + (live[r] ? li[r] : 0);
-        grow[r] = gated ? gate + row * stride : nullptr;
-        urow[r] = up + row * stride;
-        ron[r] = __shfl_sync(FULL_MASK, on, live[r] ? li[r] : 0);
-        if (!live[r]) ron[r] = 0;
-      }
-      float g[R][TM], u[R][TM], acc[R][TM];
-      bool uplive[R];
-      if (gated && !gate_first) {  // no row can be skipped: gate and up rows stream in together, one phase
-        const u8* both[2 * R];
-        bool live2[2 * R];
-        float acc2[2 * R][TM], tot2[2 * R][TM];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          both[r] = grow[r];
-          both[R + r] = urow[r];
-          live2[r] = live2[R + r] = uplive[r] = live[r];
-        }
-        dot_rows<Q, 2 * R, TM, false>(acc2, both, live2, cols, x, T, lane, w, nw);
-        block_reduce_rows<2 * R, 2 * R, TM>(tot2, part, acc2, phase);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int t = 0; t < TM; ++t) {
-            g[r][t] = tot2[r][t];
-            u[r][t] = tot2[R + r][t];
-          }
-      } else {
-        if (gated) {  // gate first: a row whose activation is 0 for every token never has its up row read
-          dot_rows<Q, R, TM, false>(acc, grow, live, cols, x, T, lane, w, nw);
-          block_reduce_rows<R, 2 * R, TM>(g, part, acc, phase);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            bool any = false;
-#pragma unroll
-            for (int t = 0; t < TM; ++t) any |= t < T && ((ron[r] >> t) & 1u) && gate_live(act, g[r][t], cats);
-            uplive[r] = live[r] && any;
-          }
-        } else {
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            uplive[r] = live[r];
-#pragma unroll
-            for (int t = 0; t < TM; ++t) g[r][t] = 0.f;
-          }
-        }
-        dot_rows<Q, R, TM, false>(acc, urow, uplive, cols, x, T, lane, w, nw);
-        block_reduce_rows<R, 2 * R, TM>(u, part, acc, phase);
-      }
-      if (threadIdx.x == 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (!live[r]) continue;
-          const int jr = j0 + li[r];
-          const float b = bias ? bias[jr] : 0.f;
-#pragma unroll
-          for (int t = 0; t < TM; ++t)
-            if (t < T)
-              h[(i64)t * k + jr] = (uplive[r] && ((ron[r] >> t) & 1u)) ? activate(act, g[r][t], u[r][t], b, cats) : 0.f;
-        }
-      }
-    }
+  for (int r = 0; r < NR; ++r) {
+    const u8* p = base[r] + off + (i64)u * Q::TILE;
+    f[r] = u < ntile ? Q::tile(p, lane) : lane < ntail ? Q::tail(p, ntail, lane) : typename Q::Frag{};
   }
 }
 
+// The gathered GEMV of sparse_up for NR = 2 (gate and up, adjacent in the device layout: weights.py) or NR = 1
+// (the up row of gate-less codes). Warp gw takes selection entries gw, gw + nwarps, ...; it walks each entry's
+// units and always holds the next unit's fragments in flight while it multiplies the current one, across the end
+// of a row too (the next entry is read a whole row ahead). PIPE false (F32, whose two rows' fragments are 64
+// registers, and 8 tokens, whose accumulators and x take them): one unit at a time.
+template <class Q, int TM, int NR>
+__device__ __forceinline__ void up_stream(const u8* __restrict__ gate, const u8* __restrict__ up, i64 stride,
+                                          int cols, const u32* __restrict__ sel, int n, int k,
+                                          const float* __restrict__ bias, int act, float cats,
+                                          const float* __restrict__ x, int T, float* __restrict__ h) {
+  constexpr bool PIPE = TM == 1 && sizeof(typename Q::Frag) * NR <= 128;
+  const int lane = threadIdx.x & 31;
+  const int gw = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int nwarps = (int)((gridDim.x * blockDim.x) >> 5);
+  const int nb = cols >> 5, ntile = nb >> 5, ntail = nb & 31, units = ntile + (ntail > 0);
+  const u32 all = ((1u << T) - 1u) << 24;
+  const u8* base[NR];
+  base[0] = NR == 2 ? gate : up;
+  base[NR - 1] = up;
+  int it = gw;
+  u32 e = sel ? sel[it] : (u32)it | all;
+  u32 e_next = it + nwarps < n ? (sel ? sel[it + nwarps] : (u32)(it + nwarps) | all) : 0u;
+  typename Q::Frag cur[NR];
+  if constexpr (PIPE) load_unit<Q, NR>(cur, base, (i64)SEL_ROW(e) * stride, 0, ntile, ntail, lane);
+  float acc[NR][TM];
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int t = 0; t < TM; ++t) acc[r][t] = 0.f;
+  for (int u = 0;;) {
+    const bool last = u == units - 1;
+    const int nu = last ? 0 : u + 1;
+    const u32 ne = last ? e_next : e;
+    const bool more = !last || it + nwarps < n;
+    [[maybe_unused]] typename Q::Frag nxt[NR];
+    if constexpr (PIPE) {
+      if (more) load_unit<Q, NR>(nxt, base, (i64)SEL_ROW(ne) * stride, nu, ntile, ntail, lane);
+    } else {
+      load_unit<Q, NR>(cur, base, (i64)SEL_ROW(e) * stride, u, ntile, ntail, lane);
+    }
+    if (u < ntile) dot_unit<Q, NR, TM>(acc, cur, x + u * TILE_VALUES + 4 * lane, 128, cols, T);
+    else if (lane < ntail) dot_unit<Q, NR, TM>(acc, cur, x + ntile * TILE_VALUES + 32 * lane, 4, cols, T);
+    if (last) {
+      const int j = SEL_ROW(e);
+      const u32 on = SEL_TOKENS(e);
+      const float b = bias ? bias[j] : 0.f;
+#pragma unroll
+      for (int t = 0; t < TM; ++t) {
+        if (t >= T) break;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(FULL_MASK, acc[r][t], o);
+        }
+        if (lane == 0)
+          h[(i64)t * k + j] = ((on >> t) & 1u) ? activate(act, NR == 2 ? acc[0][t] : 0.f, acc[NR - 1][t], b, cats)
+                                               : 0.f;
+      }
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int t = 0; t < TM; ++t) acc[r][t] = 0.f;
+      if (!more) break;
+      it += nwarps;
+      e = e_next;
+      e_next = it + nwarps < n ? (sel ? sel[it + nwarps] : (u32)(it + nwarps) | all) : 0u;
+    }
+    if constexpr (PIPE) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) cur[r] = nxt[r];
+    }
+    u = nu;
+  }
+}
+
+// h[t, j] for the selected rows j (the selection pass wrote 0 for the others). sel: entries of the selected rows,
+// their number at nsel[0] (on the device: the launch does not depend on it); sel null: every row for every token.
+// Gated codes read the gate and the up row of a row together (one phase: no dependent round trip per row; a gate
+// that turns out dead cost its up row's bytes, which the selection had asked for). No shared memory and no block
+// barrier: warps past the count exit at once.
+template <class Q, int TM>
+__device__ __forceinline__ void sparse_up(const u8* __restrict__ gate, const u8* __restrict__ up, i64 stride,
+                                          int cols, const u32* __restrict__ sel, const int* __restrict__ nsel, int k,
+                                          const float* __restrict__ bias, int act, float cats,
+                                          const float* __restrict__ x, int T, float* __restrict__ h) {
+  const int n = nsel ? *nsel : k;
+  if ((int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) >= n) return;  // a whole warp: no warp op is left waiting
+  if (gate) up_stream<Q, TM, 2>(gate, up, stride, cols, sel, n, k, bias, act, cats, x, T, h);
+  else up_stream<Q, TM, 1>(gate, up, stride, cols, sel, n, k, bias, act, cats, x, T, h);
+}
+
+// A group of R rows of sparse_down: their ids (-1 past the block's range), their h, their fragments of the unit.
+template <int R>
+__device__ __forceinline__ void down_rows(int (&row)[R], const u32* __restrict__ sel, int i, int end) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = i + r < end ? (sel ? SEL_ROW(sel[i + r]) : i + r) : -1;
+}
+template <int R, int TT>
+__device__ __forceinline__ void down_h(float (&hv)[R][TT], const int (&row)[R], const float* __restrict__ h, int k,
+                                       int t0, int T) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) hv[r][t] = (row[r] >= 0 && t0 + t < T) ? h[(i64)(t0 + t) * k + row[r]] : 0.f;
+}
+// A row whose h is 0 for every token is not read (a dead activation, or a ReLU'd predictor unit).
+template <class Q, int R, int TT>
+__device__ __forceinline__ bool down_frags(typename Q::Frag (&f)[R], const int (&row)[R], const float (&hv)[R][TT],
+                                           const u8* __restrict__ w, i64 stride, i64 uoff, bool is_tail, int ntail,
+                                           int lane) {
+  bool any = false;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    bool live = false;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) live |= hv[r][t] != 0.f;
+    any |= live;
+    const u8* p = w + (i64)(live ? row[r] : 0) * stride + uoff;
+    f[r] = !live ? typename Q::Frag{} : !is_tail ? Q::tile(p, lane) : lane < ntail ? Q::tail(p, ntail, lane)
+                                                                                   : typename Q::Frag{};
+  }
+  return any;
+}
+
+// y[T, cols] += sum over the selected rows j of h[t, j] * W[j, :] (W: down_t [k, cols], or the predictor's fc2_t).
+// Block (unit, s) owns one column unit (a 1024-wide tile, or the tail) and the s-th of gridDim.y equal shares of
+// the selection (sel/nsel as sparse_up's; sel null: every row, a row with h == 0 for every token skipped); its 8
+// warps take groups of R consecutive entries in turn. Each lane accumulates its 32 positions of the unit in
+// registers over its warp's rows, with a three-stage pipeline: while a group is multiplied, the next group's
+// fragments, the h of the one after and the entries of the third are in flight (the fragment loads wait on h, so a
+// dead row is never read). The warps' sums meet in a tree in shared memory (3 barriers: warps 4-7 into 0-3, 2-3
+// into 0-1, 1 into 0) and warp 0 adds the block's unit to y with one atomic per 4 floats. The atomics of different
+// blocks meet in any order: sums are not bitwise deterministic across runs (fp32 rounding order only).
 template <class Q, int TT>
 __device__ __forceinline__ void sparse_down(const u8* __restrict__ w, i64 stride, int cols,
-                                            const float* __restrict__ h, int k, int T, float* __restrict__ y,
-                                            int rows_per_warp) {
-  // Rows loaded side by side (fewer for two tokens, whose accumulators take 64 registers): more would push ptxas
-  // past the 128 registers that let two blocks share an SM.
-  constexpr int R = TT > 1 ? (Q::R + 1) / 2 : Q::R;
-  // The block's partial sums of its unit, per token. Tile positions p sit at p (a warp writes 512 contiguous
-  // bytes per quad: no bank conflicts); tail positions at p + 4 * (p / 32), padding each 32-value block by 16 bytes
-  // so that lanes 32 floats apart land in different banks.
-  __shared__ __align__(16) float red[TT][1152];
-  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nwb = blockDim.x >> 5;
+                                            const u32* __restrict__ sel, const int* __restrict__ nsel,
+                                            const float* __restrict__ h, int k, int T, float* __restrict__ y) {
+  // Rows loaded side by side, twice over (the pipeline): fragments of at most 48 registers for one token (32 for
+  // Q4_1, whose decoding needs more): Q4_0 3 rows, Q8_0 2, F16/BF16/F32 1; one row for two tokens (whose
+  // accumulators take 64). More spills on sm_80 under the 128 registers that let two blocks share an SM.
+  constexpr int FB = (int)sizeof(typename Q::Frag), BUDGET = Q::MIN ? 128 : 192;
+  constexpr int R = TT > 1 ? 1 : (BUDGET / (2 * FB) > 0 ? BUDGET / (2 * FB) : 1);
+  constexpr int NW = 8, SLOT = 1152;  // warps per block; floats per unit and token in the tree's buffer
+  // Tile positions p sit at p (a warp writes 512 contiguous bytes per quad: no bank conflicts); tail positions at
+  // p + 4 * (p / 32), padding each 32-value block by 16 bytes so that lanes 32 floats apart hit different banks.
+  __shared__ __align__(16) float red[4][TT][SLOT];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int nb = cols >> 5, ntile = nb >> 5, ntail = nb & 31;
   const int unit = blockIdx.x;
   const bool is_tail = unit >= ntile;
-  const int ulen = is_tail ? 32 * ntail : TILE_VALUES;
   const i64 uoff = (i64)unit * Q::TILE;  // the tail region starts where tile ntile would
-  const int jb = (blockIdx.y * nwb + wib) * rows_per_warp;
-  const int je = imin(jb + rows_per_warp, k);
+  const int n = nsel ? *nsel : k;
+  const int share = (n + (int)gridDim.y - 1) / (int)gridDim.y;
+  const int b0 = (int)blockIdx.y * share, b1 = imin(b0 + share, n);
+  if (b0 >= b1) return;  // block-uniform, before any barrier
+  constexpr int GS = R * NW;  // entries between one warp's groups
   for (int t0 = 0; t0 < T; t0 += TT) {
     float acc[TT][32];
 #pragma unroll
     for (int t = 0; t < TT; ++t)
 #pragma unroll
       for (int v = 0; v < 32; ++v) acc[t][v] = 0.f;
-    bool worked = false;
-    for (int j0 = jb; j0 < je; j0 += 32) {
-      const int j = j0 + lane;
-      float hv[TT];
-      bool any = false;
+    int i = b0 + R * wib;
+    int rowA[R], rowB[R], rowC[R];
+    float hA[R][TT], hB[R][TT];
+    typename Q::Frag fA[R];
+    down_rows<R>(rowA, sel, i, b1);
+    down_rows<R>(rowB, sel, i + GS, b1);
+    down_h<R, TT>(hA, rowA, h, k, t0, T);
+    bool anyA = down_frags<Q, R, TT>(fA, rowA, hA, w, stride, uoff, is_tail, ntail, lane);
+    down_h<R, TT>(hB, rowB, h, k, t0, T);
+    down_rows<R>(rowC, sel, i + 2 * GS, b1);
+    for (; i < b1; i += GS) {
+      typename Q::Frag fB[R];
+      const bool anyB = down_frags<Q, R, TT>(fB, rowB, hB, w, stride, uoff, is_tail, ntail, lane);
+      float hC[R][TT];
+      down_h<R, TT>(hC, rowC, h, k, t0, T);
+      int rowD[R];
+      down_rows<R>(rowD, sel, i + 3 * GS, b1);
+      if (anyA) {  // warp-uniform: every lane holds the same h
 #pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        hv[t] = (j < je && t0 + t < T) ? h[(i64)(t0 + t) * k + j] : 0.f;
-        any |= hv[t] != 0.f;
-      }
-      u32 todo = __ballot_sync(FULL_MASK, any);
-      worked |= todo != 0;
-      while (todo) {
-        typename Q::Frag f[R];
-        float hr[R][TT];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int l = take_lowest(todo);
-#pragma unroll
-          for (int t = 0; t < TT; ++t) {
-            hr[r][t] = __shfl_sync(FULL_MASK, hv[t], l >= 0 ? l : 0);
-            if (l < 0) hr[r][t] = 0.f;
-          }
-          const u8* row = w + (i64)(j0 + (l >= 0 ? l : 0)) * stride + uoff;
-          if (l < 0 || (is_tail && lane >= ntail)) f[r] = typename Q::Frag{};
-          else f[r] = is_tail ? Q::tail(row, ntail, lane) : Q::tile(row, lane);
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int q = 0; q < 8; ++q) {
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            const Quad qd = Q::quad(f[r], i);
+            const Quad qd = Q::quad(fA[r], q);
             const float v[4] = {fmaf(qd.d, qd.q.x, qd.m), fmaf(qd.d, qd.q.y, qd.m), fmaf(qd.d, qd.q.z, qd.m),
                                 fmaf(qd.d, qd.q.w, qd.m)};
 #pragma unroll
             for (int t = 0; t < TT; ++t)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) acc[t][4 * i + e] = fmaf(hr[r][t], v[e], acc[t][4 * i + e]);
+              for (int e = 0; e < 4; ++e) acc[t][4 * q + e] = fmaf(hA[r][t], v[e], acc[t][4 * q + e]);
           }
         }
       }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        fA[r] = fB[r];
+        rowB[r] = rowC[r];
+        rowC[r] = rowD[r];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          hA[r][t] = hB[r][t];
+          hB[r][t] = hC[r][t];
+        }
+      }
+      anyA = anyB;
     }
-    // One barrier that also tells every thread whether any warp worked: a flag in shared memory would need a
-    // barrier after its reset as well (a fast warp could set it before thread 0 cleared it, and one that skipped the
-    // closing barrier could clear it under a slow warp still reading it), and the block would drop its rows' sums.
-    if (!__syncthreads_or(worked)) continue;  // block-uniform: no row of this block was active for these tokens
-    for (int wi = 0; wi < nwb; ++wi) {  // the warps add their sums one after another
-      if (wib == wi) {
+    // The tree. Step 1: warp w in 4..7 writes slot w - 4, warp w - 4 adds it. Steps 2, 3 (half 2, 1): warp w in
+    // half..2*half-1 writes its own slot w, which only w itself read before; warp w - half adds it.
+#pragma unroll
+    for (int half = 4; half > 0; half >>= 1) {
+      const int wslot = half == 4 ? wib - 4 : wib;
+      if (wib >= half && wib < 2 * half) {
 #pragma unroll
         for (int t = 0; t < TT; ++t)
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            float4* p = reinterpret_cast<float4*>(&red[t][is_tail ? 36 * lane + 4 * i : 128 * i + 4 * lane]);
-            float4 a = make_float4(acc[t][4 * i], acc[t][4 * i + 1], acc[t][4 * i + 2], acc[t][4 * i + 3]);
-            if (wi > 0) {
-              const float4 o = *p;
-              a.x += o.x; a.y += o.y; a.z += o.z; a.w += o.w;
-            }
-            *p = a;
-          }
+          for (int q = 0; q < 8; ++q)
+            *reinterpret_cast<float4*>(&red[wslot][t][is_tail ? 36 * lane + 4 * q : 128 * q + 4 * lane]) =
+                make_float4(acc[t][4 * q], acc[t][4 * q + 1], acc[t][4 * q + 2], acc[t][4 * q + 3]);
       }
       __syncthreads();
-    }
+      if (wib < half) {
+        const int rslot = half == 4 ? wib : wib + half;
 #pragma unroll
-    for (int t = 0; t < TT; ++t) {
-      if (t0 + t >= T) break;
-      for (int p = 4 * (int)threadIdx.x; p < ulen; p += 4 * (int)blockDim.x) {
-        const float4 v = *reinterpret_cast<const float4*>(&red[t][is_tail ? p + 4 * (p >> 5) : p]);
-        atomic_add4(y + (i64)(t0 + t) * cols + unit * TILE_VALUES + p, v);
+        for (int t = 0; t < TT; ++t)
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const float4 o =
+                *reinterpret_cast<const float4*>(&red[rslot][t][is_tail ? 36 * lane + 4 * q : 128 * q + 4 * lane]);
+            acc[t][4 * q] += o.x;
+            acc[t][4 * q + 1] += o.y;
+            acc[t][4 * q + 2] += o.z;
+            acc[t][4 * q + 3] += o.w;
+          }
       }
     }
-    __syncthreads();  // red is reused by the next tokens
+    if (wib == 0 && (!is_tail || lane < ntail)) {
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t0 + t >= T) break;
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          atomic_add4(y + (i64)(t0 + t) * cols + unit * TILE_VALUES + (is_tail ? 32 * lane + 4 * q : 128 * q + 4 * lane),
+                      make_float4(acc[t][4 * q], acc[t][4 * q + 1], acc[t][4 * q + 2], acc[t][4 * q + 3]));
+      }
+    }
+    if (t0 + TT < T) __syncthreads();  // the next tokens' step 1 overwrites the slots warp 0 read last
   }
 }
 
+// Launch: sparse_up: any block size (a multiple of 32) and grid: warps stride over the selection.
+//         sparse_down: 256 threads per block, grid = (ntile + (ntail > 0), shares); runtime/gpu/cuda.py sizes both
+//         from the SM count and the shapes only.
+// sparse_up: 4 blocks (16 warps) per SM for one token; 2 for 8 tokens, whose accumulators and x loads need the
+// registers (ptxas spills at 128).
 #define SPARSE_UP_ENTRY(sfx, Q, TM)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(192, 2) sparse_up_##sfx##_t##TM(                                       \
-      const u8* __restrict__ gate, const u8* __restrict__ up, i64 stride, int cols, const int* __restrict__ bucket, \
-      int k, const float* __restrict__ scores, int n_ff, float threshold, const float* __restrict__ bias, int act,  \
-      float cats, const float* __restrict__ x, int T, float* __restrict__ h, int group) {                           \
-    sparse_up<Q, TM>(gate, up, stride, cols, bucket, k, scores, n_ff, threshold, bias, act, cats, x, T, h, group);  \
+  extern "C" __global__ void __launch_bounds__(128, TM == 1 ? 4 : 2) sparse_up_##sfx##_t##TM(                         \
+      const u8* __restrict__ gate, const u8* __restrict__ up, i64 stride, int cols, const u32* __restrict__ sel,    \
+      const int* __restrict__ nsel, int k, const float* __restrict__ bias, int act, float cats,                    \
+      const float* __restrict__ x, int T, float* __restrict__ h) {                                                  \
+    sparse_up<Q, TM>(gate, up, stride, cols, sel, nsel, k, bias, act, cats, x, T, h);                               \
   }
 #define SPARSE_DOWN_ENTRY(sfx, Q, TT)                                                                                 \
   extern "C" __global__ void __launch_bounds__(256, 2) sparse_down_##sfx##_t##TT(                                      \
-      const u8* __restrict__ w, i64 stride, int cols, const float* __restrict__ h, int k, int T,                     \
-      float* __restrict__ y, int rows_per_warp) {                                                                   \
-    sparse_down<Q, TT>(w, stride, cols, h, k, T, y, rows_per_warp);                                                 \
+      const u8* __restrict__ w, i64 stride, int cols, const u32* __restrict__ sel, const int* __restrict__ nsel,    \
+      const float* __restrict__ h, int k, int T, float* __restrict__ y) {                                           \
+    /* F32's fragment alone is 32 registers: two tokens run as one token twice (rows again, from L2) */          \
+    sparse_down<Q, sizeof(typename Q::Frag) >= 128 ? 1 : TT>(w, stride, cols, sel, nsel, h, k, T, y);              \
   }
 #define SPARSE_ENTRIES(sfx, Q) \
   SPARSE_UP_ENTRY(sfx, Q, 1) SPARSE_UP_ENTRY(sfx, Q, 8) SPARSE_DOWN_ENTRY(sfx, Q, 1) SPARSE_DOWN_ENTRY(sfx, Q, 2)
