@@ -16,14 +16,21 @@
 //   Causal: token t sees positions <= pos0 + t; a chunk past that writes m = -inf, l = 0.
 // attn_combine: out[t, h, :] = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c. Grid (n_head, T), 128 threads.
 // Limits: hd % 8 == 0, hd <= 256 (every llama/falcon/opt head size), n_head % n_kv == 0.
+//
+// pos_at: null, or a device int holding pos0 (read instead of the argument). A captured decode step (a CUDA graph,
+// runtime/gpu/graph.py) replays its launches with the arguments they were captured with, so the position, which
+// changes every step, is read from device memory, and attn_partial's grid is sized for the whole cache: its blocks
+// past the live context exit at once (m = -inf, l = 0, which attn_combine skips).
 
 #include "quant.cuh"
 
 extern "C" __global__ void __launch_bounds__(64) rope_kv_store(float* __restrict__ q, float* __restrict__ k,
                                                                const float* __restrict__ v, u16* __restrict__ kc,
-                                                               u16* __restrict__ vc, int pos0, int n_head, int n_kv,
+                                                               u16* __restrict__ vc, int pos0,
+                                                               const int* __restrict__ pos_at, int n_head, int n_kv,
                                                                int hd, int n_rot, int neox, float base,
                                                                float freq_scale, int max_ctx) {
+  if (pos_at) pos0 = *pos_at;
   const int head = blockIdx.x, t = blockIdx.y, pos = pos0 + t;
   const bool is_q = head < n_head;
   const int kvh = head - n_head;
@@ -58,11 +65,21 @@ __device__ __forceinline__ void halves8(const uint4& u, float (&f)[8]) {
 
 extern "C" __global__ void __launch_bounds__(128) attn_partial(const float* __restrict__ q, const u16* __restrict__ kc,
                                                               const u16* __restrict__ vc, float* __restrict__ part,
-                                                              int pos0, int n_head, int n_kv, int hd, int max_ctx,
-                                                              float scale, int chunk, int n_chunks) {
+                                                              int pos0, const int* __restrict__ pos_at, int n_head,
+                                                              int n_kv, int hd, int max_ctx, float scale, int chunk,
+                                                              int n_chunks) {
   __shared__ float sm_m[128], sm_l[128];
   __shared__ __align__(16) float sm_acc[1024];  // groups x hd <= 4 warps x 32 lanes x 8 dims
   const int c = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+  if (pos_at) pos0 = *pos_at;
+  float* dst = part + (((i64)t * n_head + h) * n_chunks + c) * (hd + 2);
+  if (c * chunk > pos0 + t) {  // block-uniform: a chunk past the live context (a fixed grid) has nothing to add
+    if (threadIdx.x == 0) {
+      dst[0] = NEG_INF;
+      dst[1] = 0.f;
+    }
+    return;
+  }
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nwb = blockDim.x >> 5;
   const int npiece = hd >> 3;  // 16-byte pieces of a head
   int L = 1;
@@ -116,7 +133,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(const float* __re
   __syncthreads();
   float M = NEG_INF;
   for (int g = 0; g < ngroups; ++g) M = fmaxf(M, sm_m[g]);
-  float* dst = part + (((i64)t * n_head + h) * n_chunks + c) * (hd + 2);
   for (int i = threadIdx.x; i < hd; i += blockDim.x) {
     float a = 0.f;
     for (int g = 0; g < ngroups; ++g)

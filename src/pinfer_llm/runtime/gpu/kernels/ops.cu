@@ -4,6 +4,8 @@
 //                  nb elements, repeated when nb < n (a bias added to every row of a [T, d] array: nb = d).
 // gather_rows_f32: out[i, :] = src[idx[i], :], one block per output row (the prefill gathers of activations;
 //                  weight rows are gathered by gemv.cu's dequant).
+// set_cols_f32:    a[t, idx[i]] = value for every row t of a [T, n] and i < n_idx (the predictor's outlier neurons,
+//                  always active: a launch, so that a captured step replays it). Grid (T), 256 threads.
 
 #include "quant.cuh"
 
@@ -18,4 +20,10 @@ extern "C" __global__ void __launch_bounds__(256) gather_rows_f32(const float* _
   const float* s = src + (i64)idx[blockIdx.x] * cols;
   float* o = out + (i64)blockIdx.x * cols;
   for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = s[i];
+}
+
+extern "C" __global__ void __launch_bounds__(256) set_cols_f32(float* __restrict__ a, const int* __restrict__ idx,
+                                                               int n_idx, int n, float value) {
+  float* row = a + (i64)blockIdx.x * n;
+  for (int i = threadIdx.x; i < n_idx; i += blockDim.x) row[idx[i]] = value;
 }
