@@ -34,8 +34,9 @@ def test_replayed_steps_equal_the_eager_steps_and_the_cpu(relu_pwri, seed):
     """Random placements (host and device attention, the predictor on either side, odd seeds: layers with no GPU
     neuron or all of them, the head on the GPU): every decode step after the second replays its layers' graphs, and
     the logits equal the eager path's exactly (the same kernels; attention's fixed grid sums the same chunks) and the
-    CPU's. Plants: the captured attention given no device position (it replays the captured step's position), the
-    attention grid sized by pos (the later steps' keys unread): each fails."""
+    CPU's. Plant: the captured attention given no device position (it replays the captured step's position): fails.
+    (A grid sized by the capture's position is caught by test_attention_reads_the_position_from_the_device: here
+    every position lies in attention's first chunk.)"""
     path, cfg = relu_pwri
     place = random_placement(cfg, seed)
     want = decode(load_model(path, ffn_mode="sparse"), IDS, 2)
