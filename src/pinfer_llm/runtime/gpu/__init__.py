@@ -62,6 +62,8 @@ Compute
   add(a, b, out=None)                   b of a's shape, or of its last dimension (added to every row)
   gather_rows(src[n, cols], idx, out=None)
   set_cols(a[T, n], idx, value)          a[:, idx] = value (idx: int32 device array)
+  count_active(ffn, scores, threshold, acc)        acc int32 [2]: acc[0] += (token, GPU row) pairs whose score is
+                                        >= threshold, acc[1] += T (the device's share of the active-neuron count)
 
 Captured steps (CudaDevice; runtime/gpu/graph.py). can_capture: whether the device can (ReferenceDevice: False).
   begin_capture(stream), end_capture(stream) -> graph, abort_capture(stream), launch_graph(graph, stream)

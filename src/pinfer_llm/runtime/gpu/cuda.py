@@ -455,6 +455,13 @@ class CudaDevice:
             self._launch("ops", "set_cols_f32", (T,), (256,), (a, idx, _i32(idx.shape[0]), _i32(n), np.float32(value)))
         return a
 
+    def count_active(self, ffn: FFNRows, scores, threshold: float, acc):
+        """acc[0] += (token, GPU row) pairs with scores[t, bucket[j]] >= threshold, acc[1] += T (acc: int32 [2])."""
+        T = scores.shape[0] if scores.ndim == 2 else 1
+        self._launch("ops", "count_active", (1,), (256,), (scores, ffn.bucket, _i32(ffn.k), _i32(ffn.n_ff), _i32(T),
+                                                          np.float32(threshold), acc))
+        return acc
+
     def gather_rows(self, src, idx, out=None):
         n, cols = idx.shape[0], src.shape[1]
         out = self.empty((n, cols)) if out is None else out

@@ -238,6 +238,12 @@ class ReferenceDevice:
         a[:, idx.long()] = value
         return a
 
+    def count_active(self, ffn: FFNRows, scores, threshold: float, acc) -> torch.Tensor:
+        sel = scores.reshape(-1, ffn.n_ff)[:, ffn.bucket.long()] >= threshold
+        acc[0] += int(sel.sum())
+        acc[1] += sel.shape[0]
+        return acc
+
     def gather_rows(self, src, idx, out=None) -> torch.Tensor:
         return self._out(src[idx.long()], out)
 

@@ -356,6 +356,10 @@ class HybridFFN:
             self.always = None if always is None else dev.asarray(always.numpy().astype(np.int32))
         self.norm = bus.norm(norm)  # for a residual stream on the host: the device norms x itself
         self.up_link, self.ids_link, self.out_link = bus.link("ffn up"), bus.link("ffn ids"), bus.link("ffn sum")
+        # The device counts its own rows of a decode step with its predictor (and the step), so that the layer's
+        # share of active neurons counts both sides without a copy per step; read when the stats are.
+        self.active_dev = dev.zeros((2,), np.int32) if self.pred is not None and self.gpu is not None else None
+        self.stats = _BothSides(self.stats, self) if self.active_dev is not None else self.stats
 
     def predict(self, r, found=None):
         """The device's predictor over the residual r [T, d]: scores [T, n_ff] for the device's rows, and into
@@ -377,6 +381,9 @@ class HybridFFN:
             thr, cats = 0.0, (m.threshold if isinstance(m, CatsOracleMasker) else None)
         else:
             thr, cats = (m.pred.threshold if self.pred is not None else 0.5), None
+            # the device's rows, where the host does not count the whole mask (a prompt's, beside neurons of its own)
+            if self.pred is not None and (xf.shape[0] == 1 or not self.cpu_holds):
+                self.dev.count_active(self.gpu, scores, thr, self.active_dev)
         self.dev.ffn(self.gpu, xf, scores=scores, threshold=thr, cats=cats, out=out)  # the device chunks tokens
 
     def host(self, xf: torch.Tensor, resid: torch.Tensor, found: torch.Tensor | None, send) -> torch.Tensor | None:
@@ -391,7 +398,8 @@ class HybridFFN:
                 ids = found[1:1 + int(found[0])].long()
                 if m.always is not None:
                     ids = torch.unique(torch.cat([ids, m.always[self.cpu_mask[m.always]]]))
-                self.stats.add_counts(1, int(ids.numel()))  # the CPU's neurons; the device does not count its own
+                # the CPU's neurons; the device counts its own, and the step, where it holds any
+                self.stats.add_counts(int(self.active_dev is None), int(ids.numel()))
                 return ffn_sparse(self.rows, xf, ids)
             mask = m(self.rows, xf, resid)  # the device's ids are the union over the tokens: each keeps its own
             self.stats.add(mask)
@@ -456,6 +464,34 @@ class HybridFFN:
             y_gpu = self.out_link.wait()["y"]
             y = y_gpu.clone() if y is None else y + y_gpu
         return torch.zeros(T, d) if y is None else y
+
+
+class _BothSides:
+    """A split FFN's SparsityStats: the host's counts (what the CPU computed; a prompt's whole masks) plus what the
+    device counted of its decode steps (its rows and the steps: HybridFFN.active_dev), read from the device, after
+    the queued work, whenever tokens or active are read (at the end of a run, not per step). int32 on the device:
+    2^31 (token, row) pairs per layer, ~155,000 tokens of a 13824-neuron layer."""
+
+    def __init__(self, host: SparsityStats, ffn: HybridFFN):
+        self.host, self.ffn = host, ffn
+
+    def add(self, mask: torch.Tensor) -> None:
+        self.host.add(mask)
+
+    def add_counts(self, tokens: int, active: int) -> None:
+        self.host.add_counts(tokens, active)
+
+    def _device(self) -> np.ndarray:
+        self.ffn.bus.stream.synchronize()
+        return self.ffn.dev.to_numpy(self.ffn.active_dev)
+
+    @property
+    def tokens(self) -> int:
+        return self.host.tokens + int(self._device()[1])
+
+    @property
+    def active(self) -> int:
+        return self.host.active + int(self._device()[0])
 
 
 class HybridTransformer:
