@@ -30,7 +30,7 @@ IDS = [5, 9, 200, 31, 7, 11, 40, 41, 90]
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_replayed_steps_equal_the_eager_steps_and_the_cpu(relu_pwri, seed):
+def test_replayed_steps_equal_the_eager_steps_and_the_cpu(relu_pwri, seed):  # noqa: F811
     """Random placements (host and device attention, the predictor on either side, odd seeds: layers with no GPU
     neuron or all of them, the head on the GPU): every decode step after the second replays its layers' graphs, and
     the logits equal the eager path's exactly (the same kernels; attention's fixed grid sums the same chunks) and the
@@ -56,7 +56,7 @@ def hybrid_on(path, place, dev, **kw):
     return m
 
 
-def test_a_split_layer_costs_two_driver_calls_per_decode_step(relu_pwri):
+def test_a_split_layer_costs_two_driver_calls_per_decode_step(relu_pwri):  # noqa: F811
     """Attention, predictor and half the neurons on the GPU, every layer split: a replayed decode step costs per
     layer one graph launch (the share of the layer before up, the layer's kernels, count and ids down, the event, the
     device's rows) and one event wait, and per token the position up and the head (its input up, two launches, its
@@ -81,7 +81,7 @@ def test_a_split_layer_costs_two_driver_calls_per_decode_step(relu_pwri):
     assert steps[2] == steps[3] == want, steps
 
 
-def test_ids_past_the_first_copy_come_in_a_second(relu_pwri, monkeypatch):
+def test_ids_past_the_first_copy_come_in_a_second(relu_pwri, monkeypatch):  # noqa: F811
     """A decode step's copy down brings the count and the first found_cap ids; a step that selects more fetches the
     rest after its wait. With a cap of one id every split layer's step takes the second copy, and the logits still
     equal the CPU's (plant: no second copy, the ids past the cap read stale: fails)."""
@@ -102,7 +102,7 @@ def test_ids_past_the_first_copy_come_in_a_second(relu_pwri, monkeypatch):
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
 
 
-def test_a_longer_prompt_recaptures_the_steps(relu_pwri):
+def test_a_longer_prompt_recaptures_the_steps(relu_pwri):  # noqa: F811
     """A second, longer prompt grows the staging buffers the captured steps copy through: the steps after it are
     captured again over the new buffers, and the logits equal the CPU's. (Plant: graphs kept across reallocated
     buffers: caught by the count of captures only. A stale graph's entry still holds views of the old buffers, so
@@ -119,7 +119,7 @@ def test_a_longer_prompt_recaptures_the_steps(relu_pwri):
     assert fake_cupy.calls["capture"] == cfg.n_layer
 
 
-def test_a_replan_recaptures_the_layer(relu_pwri):
+def test_a_replan_recaptures_the_layer(relu_pwri):  # noqa: F811
     """A layer's FFN replaced by one with other GPU neurons (a replan) between decode steps: that layer's step is
     captured again, the new FFN does the host's work from then on, and the logits equal the CPU's, whose neurons are
     computed once either way (plant: the FFN left out of what a graph must match: the old split replays, device rows
@@ -127,7 +127,7 @@ def test_a_replan_recaptures_the_layer(relu_pwri):
     path, cfg = relu_pwri
     place = split_placement(cfg, attn_on_gpu=True, output=False)
     m, cpu = hybrid_on(path, place, CudaDevice(cupy=fake_cupy)), load_model(path, ffn_mode="sparse")
-    tr, ctr = m.transformer, cpu.transformer
+    tr, ctr, calls = m.transformer, cpu.transformer, []
     with torch.inference_mode():
         got, want = [tr.forward(torch.tensor(IDS[:2]), 0)], [ctr.forward(torch.tensor(IDS[:2]), 0)]
         for p in range(2, len(IDS)):
@@ -135,8 +135,7 @@ def test_a_replan_recaptures_the_layer(relu_pwri):
                 old = tr.blocks[1].ffn
                 bucket = np.arange(1, cfg.n_ff, 3, dtype=np.int64)
                 new = hybrid.HybridFFN(old.inner, old.rows, tr.dev, tr.bus, bucket, True, tr.blocks[1].ffn_norm)
-                host, calls = new.host, []
-                new.host = lambda *a: calls.append(1) or host(*a)
+                new.host = _counted(new.host, calls)
                 tr.blocks[1].ffn = new
                 fake_cupy.calls.reset()
             got.append(tr.forward(torch.tensor([IDS[p]]), p))
@@ -144,6 +143,14 @@ def test_a_replan_recaptures_the_layer(relu_pwri):
     got, want = torch.cat(got).numpy(), torch.cat(want).numpy()
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
     assert len(calls) == len(IDS) - 5 and fake_cupy.calls["capture"] == 1
+
+
+def _counted(fn, calls: list):
+    def inner(*a):
+        calls.append(1)
+        return fn(*a)
+
+    return inner
 
 
 def test_the_fake_cupy_captures_and_replays():
