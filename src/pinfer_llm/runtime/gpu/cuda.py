@@ -86,6 +86,7 @@ class CudaDevice:
         self._record_external = record if record is not None else driver_record_external()
         self._capture: Capture | None = None
         self._workspace: dict = {}
+        self._rope: dict[tuple, object] = {}  # (base, n_rot) -> each pair's frequency as two floats
 
     # ---- captured steps (runtime/gpu/graph.py)
     @property
@@ -423,7 +424,7 @@ class CudaDevice:
         at = _ptr(pos_at)
         self._launch("attention", "rope_kv_store", (n_head + n_kv, T), (64,),
                      (q, k, v, kc, vc, _i32(pos), at, _i32(n_head), _i32(n_kv), _i32(hd), _i32(n_rot), _i32(neox),
-                      np.float32(base), np.float32(1.0 / rope_scale), _i32(max_ctx)))
+                      self._rope_table(base, n_rot), np.float32(1.0 / rope_scale), _i32(max_ctx)))
         # Chunks of one length for the whole cache (a long context: longer chunks, not more), so that a step of a
         # fixed grid (pos_at) sums exactly what a step sized for its position does.
         chunk = max(self.attn_chunk, -(-max_ctx // ATTN_MAX_CHUNKS))
@@ -437,6 +438,16 @@ class CudaDevice:
         self._launch("attention", "attn_combine", (n_head, T), (128,),
                      (part, out, _i32(n_head), _i32(hd), _i32(n_chunks)))
         return out
+
+    def _rope_table(self, base: float, n_rot: int):
+        # base^(-2i/n_rot) in float64, as the CPU side computes it, held as hi + lo floats (attention.cu)
+        key = (float(base), n_rot)
+        t = self._rope.get(key)
+        if t is None:
+            inv = float(base) ** (-2.0 * np.arange(max(n_rot // 2, 1), dtype=np.float64) / max(n_rot, 1))
+            hi = inv.astype(np.float32)
+            t = self._rope[key] = self.asarray(np.stack([hi, (inv - hi).astype(np.float32)], 1).reshape(-1))
+        return t
 
     def add(self, a, b, out=None):
         """a + b, b of a's shape or of its last dimension (added to every row)."""

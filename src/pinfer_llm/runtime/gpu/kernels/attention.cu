@@ -4,8 +4,12 @@
 // rope_kv_store: RoPE on q [T, n_head, hd] and k [T, n_kv, hd] in place, then k and v (fp32) into the cache at
 //   their positions (f16, round to nearest). Pair i of the first n_rot dims (partial rotary: the rest pass) is
 //   (2i, 2i+1) in llama GGUF order or (i, i + n_rot/2) in NeoX order, rotated by pos * freq_scale *
-//   base^(-2i/n_rot), the angle computed in double (as the CPU side does): at position 4096 a float angle would be
-//   off by ~1e-4 rad. Grid (n_head + n_kv, T), 64 threads; a block is one head of one token.
+//   base^(-2i/n_rot). In fp32, exactly enough: a plain float angle at position 1e6 is off by ~0.06 rad, and FP64
+//   (as before) runs at 1/64 rate on consumer GPUs. inv_freq holds each pair's base^(-2i/n_rot) as two floats
+//   (hi + lo, from the double the CPU side uses; runtime/gpu/cuda.py); pos * freq_scale is split exactly with an
+//   fma, their product kept as two floats, reduced by 2 pi in three parts (Cody-Waite, each step an fma), then
+//   sincosf of |r| <= pi. Rotated values are within ~5e-7 of the float64 rotation at positions up to 2^24 and any
+//   base (tests/test_hybrid_graph.py). Grid (n_head + n_kv, T), 64 threads; a block is one head of one token.
 // attn_partial: flash-decoding. The positions 0..pos of a query are cut into chunks of `chunk`; block (c, h, t)
 //   computes, for query head h of token t, the softmax statistics of chunk c: m = max score, l = sum e^(s - m),
 //   acc = sum e^(s - m) v, with GQA kv head h / (n_head / n_kv). Within a block, each key is read by a group of
@@ -24,21 +28,39 @@
 
 #include "quant.cuh"
 
+// cos and sin of (ph + pl) * (ih + il), each a two-float number (module comment).
+__device__ __forceinline__ void rope_angle(float ph, float pl, float ih, float il, float& c, float& s) {
+  const float ah = ph * ih;
+  const float al = fmaf(ph, ih, -ah) + fmaf(ph, il, pl * ih);  // the product's rest: ~2^-46 of it
+  // 2 pi = C1 + C2 + C3 (float parts); ah - k * C1 is exact in the fma, and small, so each step rounds by
+  // <= ulp(pi) / 2
+  constexpr float INV_2PI = 0.15915494f, C1 = 6.2831854820251465f, C2 = -1.7484555314695172e-07f,
+                  C3 = -6.8604980400235275e-15f;
+  const float k = rintf(ah * INV_2PI);
+  float r = fmaf(-k, C1, ah);
+  r = fmaf(-k, C2, r);
+  r = fmaf(-k, C3, r) + al;
+  sincosf(r, &s, &c);
+}
+
 extern "C" __global__ void __launch_bounds__(64) rope_kv_store(float* __restrict__ q, float* __restrict__ k,
                                                                const float* __restrict__ v, u16* __restrict__ kc,
                                                                u16* __restrict__ vc, int pos0,
                                                                const int* __restrict__ pos_at, int n_head, int n_kv,
-                                                               int hd, int n_rot, int neox, float base,
-                                                               float freq_scale, int max_ctx) {
+                                                               int hd, int n_rot, int neox,
+                                                               const float* __restrict__ inv_freq, float freq_scale,
+                                                               int max_ctx) {
   if (pos_at) pos0 = *pos_at;
   const int head = blockIdx.x, t = blockIdx.y, pos = pos0 + t;
   const bool is_q = head < n_head;
   const int kvh = head - n_head;
   float* vec = is_q ? q + ((i64)t * n_head + head) * hd : k + ((i64)t * n_kv + kvh) * hd;
   const int half = n_rot / 2;
+  const float p = (float)pos;  // exact below 2^24
+  const float ph = p * freq_scale, pl = fmaf(p, freq_scale, -ph);  // pos * freq_scale = ph + pl exactly
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const double th = (double)pos * (double)freq_scale * pow((double)base, -2.0 * i / n_rot);
-    const float c = (float)cos(th), s = (float)sin(th);
+    float c, s;
+    rope_angle(ph, pl, inv_freq[2 * i], inv_freq[2 * i + 1], c, s);
     const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
     const float xa = vec[a], xb = vec[b];
     vec[a] = xa * c - xb * s;
