@@ -20,6 +20,15 @@ whose FFN the CPU holds entirely, or the GPU, crosses less (none for a layer who
 point is laid side by side in one device buffer and one page-locked host buffer (Link), copied asynchronously on the
 hybrid's own stream; the host waits on an event for what it needs, so the CPU's neurons run while the GPU's do.
 
+A decode step of a device layer is captured once as a CUDA graph and replayed (HybridTransformer._graph_step, on a
+device that can: CudaDevice; runtime/gpu/graph.py): the host writes what goes up into the page-locked buffer, launches
+the graph (copy up, the layer's kernels, the copy down of the normed input with the CPU's count and first
+found_cap ids, an event node, the device's FFN rows) and waits on the event: two driver calls per split layer,
+where eager queueing made ~20. The position is read from device memory, attention runs on a grid for the whole
+cache, scratch comes from a workspace every graph shares; a graph is captured again when what it was captured over
+changes (the layer's parts after a replan, a staging buffer reallocated for a longer prompt, the residual's buffer).
+Prompts, the first step in a new state and timed runs (--gpu-timing) queue launch by launch.
+
 The result equals the CPU's sparse FFN with the same masks: every neuron is computed exactly once, on one side, with
 the same activation rule (tests/test_hybrid.py, with a CPU stand-in device and with the CUDA kernels under emulation).
 
