@@ -404,7 +404,8 @@ class HybridFFN:
             if not self.cpu_holds:
                 return None
             if T == 1:
-                ids = found[1:1 + int(found[0])].long()
+                f = found.numpy()  # numpy's slice and cast: a fifth of torch's host time
+                ids = torch.from_numpy(f[1:1 + int(f[0])].astype(np.int64))
                 if m.always is not None:
                     ids = torch.unique(torch.cat([ids, m.always[self.cpu_mask[m.always]]]))
                 # the CPU's neurons; the device counts its own, and the step, where it holds any
@@ -616,8 +617,8 @@ class HybridTransformer:
             q.event.synchronize()
         h = q.host
         found = h.get("found")
-        if q.cap is not None and int(found[0]) > q.cap:  # more ids than the first copy brought: the rest now
-            n = int(found[0])
+        if q.cap is not None and int(found.numpy()[0]) > q.cap:  # more ids than the first copy brought: the rest now
+            n = int(found.numpy()[0])
             with _Span(self.bus.split, "gpu_wait_s"):
                 self.dev.to_host_async(q.found[1 + q.cap:1 + n], found.numpy()[1 + q.cap:1 + n], self.bus.stream)
                 self.bus.stream.record().synchronize()
