@@ -9,6 +9,7 @@ Launches go to CuPy's current stream: run a hybrid step's GPU work inside `with 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -81,9 +82,11 @@ class CudaDevice:
         self.up_group: int | None = None
         self.down_rows_per_warp: int | None = None
         self.attn_chunk = _mem.ATTN_CHUNK
-        # Stream capture (runtime/gpu/graph.py): the fake CuPy of the tests brings its own external event record
+        # Stream capture (runtime/gpu/graph.py): the fake CuPy of the tests brings its own external event record.
+        # PINFER_CUDA_GRAPHS=0 queues every step launch by launch (to compare, or where capture misbehaves).
         record = getattr(cupy.cuda, "record_external", None)
-        self._record_external = record if record is not None else driver_record_external()
+        self._record_external = None if os.environ.get("PINFER_CUDA_GRAPHS") == "0" else \
+            record if record is not None else driver_record_external()
         self._capture: Capture | None = None
         self._workspace: dict = {}
         self._rope: dict[tuple, object] = {}  # (base, n_rot) -> each pair's frequency as two floats
