@@ -492,11 +492,12 @@ def test_gpu_timing_reports_the_devices_compute_and_copies(relu_pwri, device):
     assert plain.timeline is None and "gpu_compute_ms" not in plain.per_token(1.0, 1)
 
 
-def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
-    """The kernels a decode step launches per split layer (attention, predictor and half the neurons on the GPU):
+def test_a_split_layer_decodes_in_thirteen_launches(relu_pwri):
+    """The kernels a decode step launches per split layer (attention, predictor and half the neurons on the GPU),
+    queued one by one (the first decode step; later ones replay them as one graph, tests/test_hybrid_graph.py):
     the host's share of the layer before is added into the residual by the attention norm's launch, and the
     residual for the host is written by the FFN norm's, not by launches of their own (each CuPy launch costs the
-    host several us, per layer and token)."""
+    host several us, per layer and token); count_active counts the device's rows for ffn_active_fraction."""
     from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
@@ -519,7 +520,8 @@ def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
         launched.clear()
         m.transformer.forward(torch.tensor([7]), 2)
     layer = ["rms_norm", "gemv_f32_t1", "rope_kv_store", "attn_partial", "attn_combine", "gemv_f32_t1", "rms_norm",
-             "gemv_f16_t1", "sparse_down_f16_t1", "select_active", "sparse_up_f32_t1", "sparse_down_f32_t1"]
+             "gemv_f16_t1", "sparse_down_f16_t1", "select_active", "count_active", "sparse_up_f32_t1",
+             "sparse_down_f32_t1"]
     assert launched == layer * cfg.n_layer + ["rms_norm", "gemv_f32_t1"], launched  # + the head's
 
 
