@@ -63,6 +63,9 @@ class NullDevice(ReferenceDevice):
     def add(self, a, b, out=None):
         return out if out is not None else self.empty(tuple(a.shape))
 
+    def count_active(self, ffn, scores, threshold, acc):
+        return acc
+
 
 def null_cuda():
     """runtime.gpu.CudaDevice whose kernels do nothing, over the tests' CuPy stand-in with plain numpy allocations
@@ -70,11 +73,11 @@ def null_cuda():
     from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
-    class Module:
+    class Module(fake_cupy.RawModule):  # launches counted and captured as the fake's, the kernels themselves no-ops
         def __init__(self, code, options=()):
             pass
 
-        def get_function(self, name):
+        def _kernel(self, name):
             if name == "select_active":  # three active CPU neurons, as NullDevice.predict
                 def select(grid, block, args, **kw):
                     args[9][0], args[8][:3] = 3, (1, 5, 9)  # count, ids
@@ -82,20 +85,37 @@ def null_cuda():
                 return select
             return lambda grid, block, args, **kw: None
 
-    fake_cupy._alloc = lambda shape, dtype: np.empty(shape, dtype).view(fake_cupy.FakeArray)
+    class Graph(fake_cupy.Graph):
+        """A replay is one driver call (cudaGraphLaunch); the fake's Python loop over the captured no-op kernels is
+        not pinfer's cost. Their outputs do not change from step to step, so the first replay runs them, the rest
+        only count."""
+
+        def launch(self, stream=None):
+            if getattr(self, "ran", False):
+                fake_cupy.calls["graph_launch"] += 1
+                return
+            super().launch(stream)
+            self.ran = True
+
+    fake_cupy.CHECKED = False  # plain numpy allocations, no guard bytes
     fake_cupy.RawModule = Module
-    fake_cupy.empty = lambda shape, dtype=np.float32: fake_cupy._alloc(shape, dtype)
+    fake_cupy.Graph = Graph  # what end_capture makes
     return CudaDevice(cupy=fake_cupy)
 
 
-def per_layer_us(m, steps: int, n_layer: int) -> float:
+def per_layer_us(m, steps: int, n_layer: int, calls=None) -> float:
+    """Host time per layer and decode step (after two steps that warm up and capture). calls: a counter to reset
+    before the timed steps (the fake CuPy's driver calls)."""
     tr = m.transformer
     with torch.inference_mode():
         tr.forward(torch.tensor([5, 6, 7]), 0)
         tr.forward(torch.tensor([8]), 3)
+        tr.forward(torch.tensor([8]), 4)
+        if calls is not None:
+            calls.reset()
         t0 = time.perf_counter()
         for i in range(steps):
-            tr.forward(torch.tensor([8]), 4 + i % 32)
+            tr.forward(torch.tensor([8]), 5 + i % 32)
         return (time.perf_counter() - t0) / steps / n_layer * 1e6
 
 
@@ -120,17 +140,22 @@ def main() -> None:
         hybrid.apply(m, place, NullDevice())
         hyb = per_layer_us(m, args.steps, L)
         m = load_model(path, ffn_mode="sparse", threads=1)
-        hybrid.apply(m, place, null_cuda())
-        cuda = per_layer_us(m, args.steps, L)
+        dev = null_cuda()
+        hybrid.apply(m, place, dev)
+        calls = dev.cp.calls
+        cuda = per_layer_us(m, args.steps, L, calls)
+        per_call = {k: round(v / (args.steps * L), 3) for k, v in sorted(calls.items())}
     res = {"layers": L, "hybrid_us_per_layer": round(hyb, 1), "with_cuda_wrappers_us_per_layer": round(cuda, 1),
            "cpu_path_us_per_layer": round(cpu, 1), "hybrid_ms_per_token": round(hyb * L / 1e3, 2),
-           "with_cuda_wrappers_ms_per_token": round(cuda * L / 1e3, 2)}
+           "with_cuda_wrappers_ms_per_token": round(cuda * L / 1e3, 2),
+           "cupy_calls_per_split_layer": round(calls.total() / (args.steps * L), 3), "cupy_calls_by_kind": per_call}
     if args.json:
         print(json.dumps(res))
     else:
         print(f"hybrid host cost {hyb:.1f} us per split layer ({hyb * L / 1e3:.2f} ms per token of {L} layers), "
               f"device compute excluded; with runtime.gpu.CudaDevice's wrappers around no-op kernels {cuda:.1f} us "
-              f"({cuda * L / 1e3:.2f} ms per token), CuPy's own launch costs excluded; the CPU path's whole layer of "
+              f"({cuda * L / 1e3:.2f} ms per token), CuPy's own launch costs excluded, in "
+              f"{res['cupy_calls_per_split_layer']} CuPy calls per split layer and step; the CPU path's whole layer of "
               f"this tiny model: {cpu:.1f} us")
 
 

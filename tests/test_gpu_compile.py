@@ -146,7 +146,8 @@ SM_LIMITS = {"sm_89": (65536, 48, 24, 100 * 1024), "sm_90": (65536, 64, 32, 228 
 # stream; sparse_up's sixteen warps per SM keep ~32 KB of its weight loads in flight.
 BLOCK = {"sparse_up": (128, 4), "sparse_down": (256, 2), "gemv": (128, 3), "select": (256, 1), "rms_norm": (256, 1),
          "layer_norm": (256, 1), "rope_kv_store": (64, 1), "attn_partial": (128, 1), "attn_combine": (128, 1),
-         "add_f32": (256, 1), "gather_rows_f32": (256, 1)}
+         "add_f32": (256, 1), "gather_rows_f32": (256, 1), "set_cols_f32": (256, 1),
+         "count_active": (256, 1)}
 
 
 def blocks_per_sm(arch: str, threads: int, regs: int, smem: int) -> int:

@@ -187,13 +187,18 @@ def split_placement(cfg, attn_on_gpu: bool, output: bool) -> Placement:
     return Placement("test", np.full(L, attn_on_gpu), np.ones(L, bool), half, output, "split")
 
 
-def test_split_layers_cross_the_bus_once_each_way(relu_pwri):
+def test_split_layers_cross_the_bus_once_each_way(relu_pwri, monkeypatch):
     """#11's transfer pattern for a decode step, attention and predictors on the GPU, every FFN split: per layer one
-    copy up (the CPU's share of the layer before, or the embedding) and one copy down (normed x, x, the CPU's ids),
-    asynchronous; the device's rows are queued after the copy down, so the CPU's rows run while they do."""
+    copy up (the CPU's share of the layer before, or the embedding) and one copy down (normed x, the CPU's count and
+    ids), asynchronous; the device's rows are queued after the copy down, so the CPU's rows run while they do. The
+    copy down brings found_cap ids; more (this model's random predictors select about half the CPU's neurons) come in
+    a second copy after the wait."""
     path, cfg = relu_pwri
     steps = decode_log(path, cfg, split_placement(cfg, attn_on_gpu=True, output=True))
-    assert steps == [["up", "down", "rows"]] * cfg.n_layer + [["up", "down"]], steps  # + the head's
+    assert steps == [["up", "down", "rows", "down"]] * cfg.n_layer + [["up", "down"]], steps  # + the head's
+    monkeypatch.setattr(hybrid, "found_cap", lambda n_ff: n_ff)
+    steps = decode_log(path, cfg, split_placement(cfg, attn_on_gpu=True, output=True))
+    assert steps == [["up", "down", "rows"]] * cfg.n_layer + [["up", "down"]], steps
 
 
 def test_host_attention_layers_fetch_ids_before_rows(relu_pwri):
@@ -487,11 +492,12 @@ def test_gpu_timing_reports_the_devices_compute_and_copies(relu_pwri, device):
     assert plain.timeline is None and "gpu_compute_ms" not in plain.per_token(1.0, 1)
 
 
-def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
-    """The kernels a decode step launches per split layer (attention, predictor and half the neurons on the GPU):
+def test_a_split_layer_decodes_in_fifteen_launches(relu_pwri):
+    """The kernels a decode step launches per split layer (attention, predictor and half the neurons on the GPU),
+    queued one by one (the first decode step; later ones replay them as one graph, tests/test_hybrid_graph.py):
     the host's share of the layer before is added into the residual by the attention norm's launch, and the
     residual for the host is written by the FFN norm's, not by launches of their own (each CuPy launch costs the
-    host several us, per layer and token)."""
+    host several us, per layer and token); count_active counts the device's rows for ffn_active_fraction."""
     from pinfer_llm.runtime.gpu import CudaDevice
     from tests.cuda_emu import fake_cupy
 
@@ -514,8 +520,8 @@ def test_a_split_layer_decodes_in_twelve_launches(relu_pwri):
         launched.clear()
         m.transformer.forward(torch.tensor([7]), 2)
     layer = ["rms_norm", "gemv_f32_t1", "rope_kv_store", "attn_partial", "attn_combine", "gemv_f32_t1", "rms_norm",
-             "gemv_f16_t1", "sparse_down_f16_t1", "select_count", "select_active", "select_count", "select_rows",
-             "sparse_up_f32_t1", "sparse_down_f32_t1"]
+             "gemv_f16_t1", "sparse_down_f16_t1", "select_count", "select_active", "count_active", "select_count",
+             "select_rows", "sparse_up_f32_t1", "sparse_down_f32_t1"]
     assert launched == layer * cfg.n_layer + ["rms_norm", "gemv_f32_t1"], launched  # + the head's
 
 
@@ -617,3 +623,27 @@ def test_outlier_neurons_with_the_predictor_on_the_device(tmp_path):
     hybrid.apply(m, split_placement(cfg, attn_on_gpu=True, output=False), ReferenceDevice())
     got = logits(m, ids, decode_from=2)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("device", ["reference", "cuda-emulated"])
+def test_active_fraction_counts_both_sides(relu_pwri, device):
+    """The hybrid's share of neurons computed per layer (what pi-run reports as ffn_active_fraction) equals the CPU
+    path's for the same masks: half the neurons on the device (the device counts its own rows of each decode step,
+    and the step, on the device: no copy per step), and a random placement with layers that hold no GPU neuron or
+    all of them (the device counts a prompt's rows there too). It was [0.388, 0.389, 0.393] against the CPU's
+    [0.495, 0.482, 0.489] (issue #25). Plants: the device's count left out; the host counting the steps as well: each
+    fails."""
+    from pinfer_llm.runtime.gpu import CudaDevice
+    from tests.cuda_emu import fake_cupy
+
+    path, cfg = relu_pwri
+    ids = [5, 9, 200, 31, 7, 11, 40, 41, 90]
+    cpu = load_model(path, ffn_mode="sparse")
+    logits(cpu, ids, decode_from=2)
+    want = cpu.sparsity()
+    assert all(0.3 < f < 0.7 for f in want), want
+    for place in (split_placement(cfg, attn_on_gpu=True, output=False), random_placement(cfg, 1, pred=True)):
+        m = hybrid_model(path, "sparse", place, ReferenceDevice() if device == "reference" else
+                         CudaDevice(cupy=fake_cupy))
+        logits(m, ids, decode_from=2)
+        assert m.sparsity() == want, (place.name, m.sparsity(), want)

@@ -54,17 +54,26 @@ Compute
       per row of x [T, d]; add [T, d]: x += add first (in place); copy [T, d]: receives x (after the add)
   kv_cache(n_kv, max_ctx, head_dim) -> (k, v)          f16 zeros [n_kv, max_ctx, head_dim]
   attention(q[T, n_head, hd], k[T, n_kv, hd], v, cache_k, cache_v, pos, *, n_rot=None, neox=False, base=10000.0,
-            rope_scale=1.0, scale=None, out=None) -> [T, n_head, hd]
+            rope_scale=1.0, scale=None, out=None, pos_at=None) -> [T, n_head, hd]
       tokens at positions pos..pos+T-1: RoPE (llama pairs (2i, 2i+1), or NeoX halves; the first n_rot dims; angle
       pos / rope_scale * base^(-2i/n_rot)) on q and k IN PLACE, k and v into the caches, then causal attention over
       positions 0..pos+t with GQA (head h reads kv head h // (n_head // n_kv)); scale defaults to 1/sqrt(hd).
+      pos_at: a device int32 [1] holding pos, read by the kernels instead (captured steps)
   add(a, b, out=None)                   b of a's shape, or of its last dimension (added to every row)
   gather_rows(src[n, cols], idx, out=None)
+  set_cols(a[T, n], idx, value)          a[:, idx] = value (idx: int32 device array)
+  count_active(ffn, scores, threshold, acc)        acc int32 [2]: acc[0] += (token, GPU row) pairs whose score is
+                                        >= threshold, acc[1] += T (the device's share of the active-neuron count)
+
+Captured steps (CudaDevice; runtime/gpu/graph.py). can_capture: whether the device can (ReferenceDevice: False).
+  begin_capture(stream), end_capture(stream) -> graph, abort_capture(stream), launch_graph(graph, stream)
+      between begin and end the work queued on the stream is kept, not run; scratch (empty/zeros) comes from a
+      workspace shared by every graph
+  graph_event(stream) -> event          recorded on the stream; in a capture an event node that fires each replay
 
 Launch cost: each CuPy launch from Python costs ~10 us of host time, more than most of these kernels take on an
-H200 (10-40 us per layer op), so a decode step should be captured once in a CUDA graph (cupy.cuda.Stream
-begin_capture / end_capture, with out= buffers so nothing allocates) and replayed; benchmarks/gpu_check.py times
-kernels that way.
+H200 (10-40 us per layer op), so the hybrid executor captures each layer's decode step once in a CUDA graph and
+replays it (runtime/hybrid/executor.py); benchmarks/gpu_check.py times kernels that way.
 
 Measured on an H200 (benchmarks/gpu_check.py, all 78 checks against this reference passed): see kernels/sparse_ffn.cu
 for the sparse FFN at 10% active rows; F16 GEMV 90% of copy bandwidth; decode attention over 4096 positions 39%.

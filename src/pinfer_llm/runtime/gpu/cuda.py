@@ -9,11 +9,13 @@ Launches go to CuPy's current stream: run a hybrid step's GPU work inside `with 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from pinfer_llm.planner import memory as _mem
 from pinfer_llm.runtime.gpu import layout
+from pinfer_llm.runtime.gpu.graph import Capture, driver_record_external
 from pinfer_llm.runtime.gpu.sources import source
 from pinfer_llm.runtime.gpu.timing import Timeline
 from pinfer_llm.runtime.gpu.weights import (
@@ -84,6 +86,50 @@ class CudaDevice:
         self.down_splits: int | None = None
         self._pred_counts = None  # select_count's per-block counts for predict's selection (sm_count int32)
         self.attn_chunk = _mem.ATTN_CHUNK
+        # Stream capture (runtime/gpu/graph.py): the fake CuPy of the tests brings its own external event record.
+        # PINFER_CUDA_GRAPHS=0 queues every step launch by launch (to compare, or where capture misbehaves).
+        record = getattr(cupy.cuda, "record_external", None)
+        self._record_external = None if os.environ.get("PINFER_CUDA_GRAPHS") == "0" else \
+            record if record is not None else driver_record_external()
+        self._capture: Capture | None = None
+        self._workspace: dict = {}
+        self._rope: dict[tuple, object] = {}  # (base, n_rot) -> each pair's frequency as two floats
+
+    # ---- captured steps (runtime/gpu/graph.py)
+    @property
+    def can_capture(self) -> bool:
+        return self._record_external is not None and self.timeline is None  # a timeline's events are plain records
+
+    def begin_capture(self, stream) -> None:
+        """Queue nothing from here on: capture the work queued on `stream` until end_capture(). Scratch allocated
+        meanwhile comes from the device's workspace (shared by every graph, never freed)."""
+        stream.begin_capture()
+        self._capture = Capture(self._workspace)
+
+    def end_capture(self, stream):
+        self._capture = None
+        return stream.end_capture()
+
+    def abort_capture(self, stream) -> None:
+        if self._capture is not None:
+            self._capture = None
+            try:
+                stream.end_capture()
+            except Exception:  # an invalidated capture ends with an error; the one that invalidated it is raised
+                pass
+
+    def launch_graph(self, graph, stream) -> None:
+        graph.launch(stream)
+
+    def graph_event(self, stream):
+        """An event recorded on `stream`, as an external event node when it captures: the host can wait on it at
+        each replay."""
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        if self._capture is None:
+            ev.record(stream)
+        else:
+            self._record_external(ev, stream)
+        return ev
 
     def start_timeline(self) -> Timeline:
         """Time every operation from now on with CUDA events (runtime/gpu/timing.py)."""
@@ -113,9 +159,15 @@ class CudaDevice:
         return self.cp.asnumpy(a)
 
     def empty(self, shape, dtype=np.float32):
+        if self._capture is not None:
+            return self._capture.scratch(shape, np.dtype(dtype), self.cp.empty)
         return self.cp.empty(shape, dtype)
 
     def zeros(self, shape, dtype=np.float32):
+        if self._capture is not None:
+            a = self.empty(shape, dtype)
+            a.fill(0)  # a memset node of the graph
+            return a
         return self.cp.zeros(shape, dtype)
 
     def synchronize(self) -> None:
@@ -423,9 +475,11 @@ class CudaDevice:
         return self.zeros((n_kv, max_ctx, head_dim), np.float16), self.zeros((n_kv, max_ctx, head_dim), np.float16)
 
     def attention(self, q, k, v, cache_k, cache_v, pos: int, *, n_rot=None, neox=False, base=10000.0,
-                  rope_scale=1.0, scale=None, out=None):
+                  rope_scale=1.0, scale=None, out=None, pos_at=None):
         """Tokens at positions pos..pos+T-1: RoPE on q [T, n_head, hd] and k [T, n_kv, hd] (in place), k and v
-        into the f16 caches [n_kv, max_ctx, hd], causal softmax(q k^T * scale) v with GQA -> out [T, n_head, hd]."""
+        into the f16 caches [n_kv, max_ctx, hd], causal softmax(q k^T * scale) v with GQA -> out [T, n_head, hd].
+        pos_at: a device int32 [1] holding pos, which the kernels read instead (a captured step replays with the
+        position of each step); the attention grid then covers the whole cache, its blocks past pos + T idle."""
         T, n_head, hd = q.shape
         n_kv, max_ctx = cache_k.shape[0], cache_k.shape[1]
         n_rot = hd if n_rot is None else n_rot
@@ -437,20 +491,33 @@ class CudaDevice:
         _check(k, (T, n_kv, hd), "k")
         _check(v, (T, n_kv, hd), "v")
         kc, vc = cache_k.view(np.uint16), cache_v.view(np.uint16)
+        at = _ptr(pos_at)
         self._launch("attention", "rope_kv_store", (n_head + n_kv, T), (64,),
-                     (q, k, v, kc, vc, _i32(pos), _i32(n_head), _i32(n_kv), _i32(hd), _i32(n_rot), _i32(neox),
-                      np.float32(base), np.float32(1.0 / rope_scale), _i32(max_ctx)))
-        chunk = max(self.attn_chunk, -(-(pos + T) // ATTN_MAX_CHUNKS))  # a long context: longer chunks, not more
-        n_chunks = -(-(pos + T) // chunk)
+                     (q, k, v, kc, vc, _i32(pos), at, _i32(n_head), _i32(n_kv), _i32(hd), _i32(n_rot), _i32(neox),
+                      self._rope_table(base, n_rot), np.float32(1.0 / rope_scale), _i32(max_ctx)))
+        # Chunks of one length for the whole cache (a long context: longer chunks, not more), so that a step of a
+        # fixed grid (pos_at) sums exactly what a step sized for its position does.
+        chunk = max(self.attn_chunk, -(-max_ctx // ATTN_MAX_CHUNKS))
+        n_chunks = -(-(max_ctx if pos_at is not None else pos + T) // chunk)
         part = self.empty((T, n_head, n_chunks, hd + 2))
         scale = 1.0 / math.sqrt(hd) if scale is None else scale
         self._launch("attention", "attn_partial", (n_chunks, n_head, T), (128,),
-                     (q, kc, vc, part, _i32(pos), _i32(n_head), _i32(n_kv), _i32(hd), _i32(max_ctx),
+                     (q, kc, vc, part, _i32(pos), at, _i32(n_head), _i32(n_kv), _i32(hd), _i32(max_ctx),
                       np.float32(scale), _i32(chunk), _i32(n_chunks)))
         out = self.empty((T, n_head, hd)) if out is None else out
         self._launch("attention", "attn_combine", (n_head, T), (128,),
                      (part, out, _i32(n_head), _i32(hd), _i32(n_chunks)))
         return out
+
+    def _rope_table(self, base: float, n_rot: int):
+        # base^(-2i/n_rot) in float64, as the CPU side computes it, held as hi + lo floats (attention.cu)
+        key = (float(base), n_rot)
+        t = self._rope.get(key)
+        if t is None:
+            inv = float(base) ** (-2.0 * np.arange(max(n_rot // 2, 1), dtype=np.float64) / max(n_rot, 1))
+            hi = inv.astype(np.float32)
+            t = self._rope[key] = self.asarray(np.stack([hi, (inv - hi).astype(np.float32)], 1).reshape(-1))
+        return t
 
     def add(self, a, b, out=None):
         """a + b, b of a's shape or of its last dimension (added to every row)."""
@@ -461,6 +528,20 @@ class CudaDevice:
         self._launch("ops", "add_f32", (max(1, min(-(-n // 256), 4096)),), (256,),
                      (a, b, out, np.int64(n), np.int64(b.size)))
         return out
+
+    def set_cols(self, a, idx, value: float):
+        """a[t, idx] = value for every row t of a [T, n]; idx: device int32."""
+        T, n = a.shape
+        if idx.shape[0]:
+            self._launch("ops", "set_cols_f32", (T,), (256,), (a, idx, _i32(idx.shape[0]), _i32(n), np.float32(value)))
+        return a
+
+    def count_active(self, ffn: FFNRows, scores, threshold: float, acc):
+        """acc[0] += (token, GPU row) pairs with scores[t, bucket[j]] >= threshold, acc[1] += T (acc: int32 [2])."""
+        T = scores.shape[0] if scores.ndim == 2 else 1
+        self._launch("ops", "count_active", (1,), (256,), (scores, ffn.bucket, _i32(ffn.k), _i32(ffn.n_ff), _i32(T),
+                                                          np.float32(threshold), acc))
+        return acc
 
     def gather_rows(self, src, idx, out=None):
         n, cols = idx.shape[0], src.shape[1]

@@ -46,6 +46,7 @@ class _Stream:
 
 class ReferenceDevice:
     name = "reference (torch, CPU)"
+    can_capture = False  # every operation runs at once: nothing to capture (runtime/gpu/graph.py)
     timeline: Timeline | None = None  # start_timeline(): the time of each kind of work
 
     def __init__(self, dtype: torch.dtype = torch.float64):
@@ -203,7 +204,9 @@ class ReferenceDevice:
                 torch.zeros(n_kv, max_ctx, head_dim, dtype=torch.float16))
 
     def attention(self, q, k, v, cache_k, cache_v, pos: int, *, n_rot=None, neox=False, base=10000.0,
-                  rope_scale=1.0, scale=None, out=None) -> torch.Tensor:
+                  rope_scale=1.0, scale=None, out=None, pos_at=None) -> torch.Tensor:
+        if pos_at is not None:
+            pos = int(pos_at[0])
         T, n_head, hd = q.shape
         n_kv = k.shape[1]
         n_rot = hd if n_rot is None else n_rot
@@ -230,6 +233,16 @@ class ReferenceDevice:
 
     def add(self, a, b, out=None) -> torch.Tensor:
         return self._out(a.to(self.dtype) + b.to(self.dtype), out)
+
+    def set_cols(self, a, idx, value: float) -> torch.Tensor:
+        a[:, idx.long()] = value
+        return a
+
+    def count_active(self, ffn: FFNRows, scores, threshold: float, acc) -> torch.Tensor:
+        sel = scores.reshape(-1, ffn.n_ff)[:, ffn.bucket.long()] >= threshold
+        acc[0] += int(sel.sum())
+        acc[1] += sel.shape[0]
+        return acc
 
     def gather_rows(self, src, idx, out=None) -> torch.Tensor:
         return self._out(src[idx.long()], out)

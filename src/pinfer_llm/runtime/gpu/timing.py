@@ -78,7 +78,7 @@ class Timeline:
 
 # The device interface's operations (runtime/gpu/__init__.py), by kind; copies take their stream third.
 COMPUTE_OPS = ("zero", "copy", "matmul", "dequant_rows", "ffn_up", "ffn_down", "ffn", "predict", "rms_norm",
-               "layer_norm", "attention", "add", "gather_rows")
+               "layer_norm", "attention", "add", "set_cols", "count_active", "gather_rows")
 COPY_OPS = ("to_device_async", "to_host_async")
 
 

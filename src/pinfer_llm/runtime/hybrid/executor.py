@@ -20,6 +20,15 @@ whose FFN the CPU holds entirely, or the GPU, crosses less (none for a layer who
 point is laid side by side in one device buffer and one page-locked host buffer (Link), copied asynchronously on the
 hybrid's own stream; the host waits on an event for what it needs, so the CPU's neurons run while the GPU's do.
 
+A decode step of a device layer is captured once as a CUDA graph and replayed (HybridTransformer._graph_step, on a
+device that can: CudaDevice; runtime/gpu/graph.py): the host writes what goes up into the page-locked buffer, launches
+the graph (copy up, the layer's kernels, the copy down of the normed input with the CPU's count and first
+found_cap ids, an event node, the device's FFN rows) and waits on the event: two driver calls per split layer,
+where eager queueing made ~20. The position is read from device memory, attention runs on a grid for the whole
+cache, scratch comes from a workspace every graph shares; a graph is captured again when what it was captured over
+changes (the layer's parts after a replan, a staging buffer reallocated for a longer prompt, the residual's buffer).
+Prompts, the first step in a new state and timed runs (--gpu-timing) queue launch by launch.
+
 The result equals the CPU's sparse FFN with the same masks: every neuron is computed exactly once, on one side, with
 the same activation rule (tests/test_hybrid.py, with a CPU stand-in device and with the CUDA kernels under emulation).
 
@@ -103,6 +112,11 @@ class Bus:
         self.dev, self.stream, self.split = dev, dev.stream(), Split()
         self._norms: dict[int, DeviceNorm] = {}
         self._links: dict[str, Link] = {}
+        self.touched: list | None = None  # while a step is captured: (link, its buffers' generation) it used
+
+    def event(self):
+        """An event after the work queued so far (in a capture: one that fires at each replay)."""
+        return self.dev.graph_event(self.stream) if self.touched is not None else self.stream.record()
 
     def link(self, role: str) -> Link:
         """The staging buffers for one crossing point of a layer, shared by every layer: layers run one after
@@ -132,12 +146,16 @@ class Link:
 
     def __init__(self, bus: Bus):
         self.bus, self.dev, self.cap, self.used = bus, bus.dev, 0, 0
+        self.gen = 0  # counts the buffers' reallocations: a captured step that used older ones is captured again
         self.host: dict[str, torch.Tensor] = {}
+        self.offsets: dict[str, int] = {}
         self.event = None
         self._parts: dict | None = None  # the last layout, whose views are reused while it repeats (each decode step)
 
     def layout(self, **parts) -> dict:
         """parts: name=(shape, dtype). Returns the device views by name."""
+        if self.bus.touched is not None:
+            self.bus.touched.append((self, self.gen))
         if parts == self._parts:
             return self._views
         offs, n = {}, 0
@@ -146,6 +164,7 @@ class Link:
             n += -(-math.prod(shape) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
         if n > self.cap or not self.cap:  # (a copy may still read the old buffers: let it finish first)
             self.bus.stream.synchronize()
+            self.gen += 1
             self.cap = max(n, 2 * self.cap, ALIGN)
             self.d = self.dev.empty((self.cap,), np.uint8)
             self.h = self.dev.pinned((self.cap,), np.uint8)
@@ -156,23 +175,33 @@ class Link:
             nbytes = math.prod(shape) * np.dtype(dtype).itemsize
             self._views[name] = self.dev.view(self.d, offs[name], shape, dtype)
             self.host[name] = torch.from_numpy(self.h[offs[name]:offs[name] + nbytes].view(dtype).reshape(shape))
-        self._parts = parts
+        self._parts, self.offsets = parts, offs
         return self._views
 
     def put(self, **tensors: torch.Tensor) -> dict:
         """Copy host tensors to the device in one copy; returns their device views."""
         with _Span(self.bus.split, "transfer_s"):
-            views = self.layout(**{k: (tuple(t.shape), _NP[t.dtype]) for k, t in tensors.items()})
-            for k, t in tensors.items():
-                self.host[k].copy_(t)
-            self.dev.to_device_async(self._whole[1], self._whole[0], self.bus.stream)
+            views = self.fill(**tensors)
+            self.send()
         return views
 
-    def fetch(self) -> None:
-        """Queue the copy of every part to the host, after the work queued so far."""
+    def fill(self, **tensors: torch.Tensor) -> dict:
+        """put()'s host half: lay out the parts and write the tensors into the page-locked buffer."""
+        views = self.layout(**{k: (tuple(t.shape), _NP[t.dtype]) for k, t in tensors.items()})
+        for k, t in tensors.items():
+            self.host[k].copy_(t)
+        return views
+
+    def send(self) -> None:
+        """put()'s copy: the page-locked buffer to the device."""
+        self.dev.to_device_async(self._whole[1], self._whole[0], self.bus.stream)
+
+    def fetch(self, upto: int | None = None) -> None:
+        """Queue the copy of every part (or of the first `upto` bytes) to the host, after the work queued so far."""
         with _Span(self.bus.split, "transfer_s"):
-            self.dev.to_host_async(*self._whole, self.bus.stream)
-            self.event = self.bus.stream.record()
+            whole = self._whole if upto is None else (self.dev.view(self.d, 0, (upto,), np.uint8), self.h[:upto])
+            self.dev.to_host_async(*whole, self.bus.stream)
+            self.event = self.bus.event()
 
     def wait(self) -> dict[str, torch.Tensor]:
         with _Span(self.bus.split, "gpu_wait_s"):
@@ -181,6 +210,12 @@ class Link:
 
 
 _NP = {torch.float32: np.float32, torch.int32: np.int32, torch.uint8: np.uint8}
+
+
+def found_cap(n_ff: int) -> int:
+    """How many of the CPU's active neuron ids a decode step's copy down brings (with their count): an eighth of the
+    layer, at least 32. A step that selects more fetches the rest in a second copy, after waiting."""
+    return min(n_ff, max(32, -(-n_ff // 8)))
 
 
 def _stored_on_device(pred) -> bool:
@@ -254,8 +289,9 @@ class DeviceAttention:
         self.rope = dict(n_rot=0 if cfg.rope == "none" else cfg.head_dim, neox=cfg.rope == "neox",
                          base=cfg.rope_base, rope_scale=cfg.rope_scale)
 
-    def heads(self, xa, pos: int):
-        """The attention heads' output [T, n_head * head_dim] for the normed input xa [T, d], cache written."""
+    def heads(self, xa, pos: int, pos_at=None):
+        """The attention heads' output [T, n_head * head_dim] for the normed input xa [T, d], cache written. pos_at:
+        the position in device memory (a captured step)."""
         cfg, dev, T = self.cfg, self.dev, xa.shape[0]
         outs = [dev.matmul(w, xa, bias=bias) for w, bias in self.parts]
         if len(outs) == 1:  # q, k, v side by side: one token's column blocks are contiguous, more tokens' are copied
@@ -263,7 +299,7 @@ class DeviceAttention:
             outs = [y[:, lo:hi] if T == 1 else dev.copy(y[:, lo:hi], dev.empty((T, hi - lo))) for lo, hi in self.bounds]
         q, k, v = (a.reshape(T, n, cfg.head_dim) for a, n in zip(outs, (cfg.n_head, cfg.n_head_kv, cfg.n_head_kv),
                                                                  strict=True))
-        o = dev.attention(q, k, v, self.k_cache, self.v_cache, pos, **self.rope)
+        o = dev.attention(q, k, v, self.k_cache, self.v_cache, pos, pos_at=pos_at, **self.rope)
         return o.reshape(T, cfg.n_head * cfg.head_dim)
 
     def project(self, o, out):
@@ -326,9 +362,13 @@ class HybridFFN:
             self.pred = _upload_predictor(dev, self.masker.pred)
             self.skip = dev.asarray(on_gpu.astype(np.uint8))
             always = self.masker.always
-            self.always = None if always is None else dev.asarray(always.numpy().astype(np.int64))
+            self.always = None if always is None else dev.asarray(always.numpy().astype(np.int32))
         self.norm = bus.norm(norm)  # for a residual stream on the host: the device norms x itself
         self.up_link, self.ids_link, self.out_link = bus.link("ffn up"), bus.link("ffn ids"), bus.link("ffn sum")
+        # The device counts its own rows of a decode step with its predictor (and the step), so that the layer's
+        # share of active neurons counts both sides without a copy per step; read when the stats are.
+        self.active_dev = dev.zeros((2,), np.int32) if self.pred is not None and self.gpu is not None else None
+        self.stats = _BothSides(self.stats, self) if self.active_dev is not None else self.stats
 
     def predict(self, r, found=None):
         """The device's predictor over the residual r [T, d]: scores [T, n_ff] for the device's rows, and into
@@ -337,7 +377,7 @@ class HybridFFN:
         thr = m.pred.threshold
         scores, _ = self.dev.predict(self.pred, r, threshold=thr, skip=self.skip, ids=True, found=found)
         if self.always is not None:
-            scores.reshape(T, -1)[:, self.always] = float("inf")
+            self.dev.set_cols(scores.reshape(T, -1), self.always, float("inf"))
         return scores
 
     def launch(self, xf, out, scores=None) -> None:
@@ -350,6 +390,9 @@ class HybridFFN:
             thr, cats = 0.0, (m.threshold if isinstance(m, CatsOracleMasker) else None)
         else:
             thr, cats = (m.pred.threshold if self.pred is not None else 0.5), None
+            # the device's rows, where the host does not count the whole mask (a prompt's, beside neurons of its own)
+            if self.pred is not None and (xf.shape[0] == 1 or not self.cpu_holds):
+                self.dev.count_active(self.gpu, scores, thr, self.active_dev)
         self.dev.ffn(self.gpu, xf, scores=scores, threshold=thr, cats=cats, out=out)  # the device chunks tokens
 
     def host(self, xf: torch.Tensor, resid: torch.Tensor, found: torch.Tensor | None, send) -> torch.Tensor | None:
@@ -361,10 +404,12 @@ class HybridFFN:
             if not self.cpu_holds:
                 return None
             if T == 1:
-                ids = found[1:1 + int(found[0])].long()
+                f = found.numpy()  # numpy's slice and cast: a fifth of torch's host time
+                ids = torch.from_numpy(f[1:1 + int(f[0])].astype(np.int64))
                 if m.always is not None:
                     ids = torch.unique(torch.cat([ids, m.always[self.cpu_mask[m.always]]]))
-                self.stats.add_counts(1, int(ids.numel()))  # the CPU's neurons; the device does not count its own
+                # the CPU's neurons; the device counts its own, and the step, where it holds any
+                self.stats.add_counts(int(self.active_dev is None), int(ids.numel()))
                 return ffn_sparse(self.rows, xf, ids)
             mask = m(self.rows, xf, resid)  # the device's ids are the union over the tokens: each keeps its own
             self.stats.add(mask)
@@ -431,6 +476,34 @@ class HybridFFN:
         return torch.zeros(T, d) if y is None else y
 
 
+class _BothSides:
+    """A split FFN's SparsityStats: the host's counts (what the CPU computed; a prompt's whole masks) plus what the
+    device counted of its decode steps (its rows and the steps: HybridFFN.active_dev), read from the device, after
+    the queued work, whenever tokens or active are read (at the end of a run, not per step). int32 on the device:
+    2^31 (token, row) pairs per layer, ~155,000 tokens of a 13824-neuron layer."""
+
+    def __init__(self, host: SparsityStats, ffn: HybridFFN):
+        self.host, self.ffn = host, ffn
+
+    def add(self, mask: torch.Tensor) -> None:
+        self.host.add(mask)
+
+    def add_counts(self, tokens: int, active: int) -> None:
+        self.host.add_counts(tokens, active)
+
+    def _device(self) -> np.ndarray:
+        self.ffn.bus.stream.synchronize()
+        return self.ffn.dev.to_numpy(self.ffn.active_dev)
+
+    @property
+    def tokens(self) -> int:
+        return self.host.tokens + int(self._device()[1])
+
+    @property
+    def active(self) -> int:
+        return self.host.active + int(self._device()[0])
+
+
 class HybridTransformer:
     """The model's forward pass with its parts on the device where the placement puts them (module docstring);
     everything else (the KV cache of host layers, embeddings, blocks, stats) is the wrapped Transformer's."""
@@ -445,6 +518,8 @@ class HybridTransformer:
         self.ffn_bias = [None if b.attn_dev is None or b.ffn_bias is None else dev.asarray(_host(b.ffn_bias))
                          for b in tr.blocks]
         self.out_norm = bus.norm(tr.output_norm) if head is not None else None
+        self.pos_link = bus.link("position")  # a decode step's position, read by the captured steps' attention
+        self._graphs: dict[int, _Graph] = {}  # device layer -> its captured decode step
 
     def __getattr__(self, name):
         return getattr(self.tr, name)
@@ -463,9 +538,18 @@ class HybridTransformer:
     def _forward(self, tokens: torch.Tensor, pos: int, head: bool, all_logits: bool) -> torch.Tensor | None:
         x = _Residual(self.tr.embed(tokens, pos))
         with self.bus.stream:
+            # a decode step replays each device layer's captured step; they read the position from the device
+            graphs = tokens.numel() == 1 and self.dev.can_capture and pos < self.tr.max_ctx
+            if graphs:
+                self.pos_link.fill(pos=torch.tensor([pos], dtype=torch.int32))
+                self.pos_link.send()
             for li, b in enumerate(self.tr.blocks):
                 if b.attn_dev is not None:
-                    self._device_layer(li, b, x, pos)
+                    q = self._graph_step(li, b, x, pos) if graphs else None
+                    if q is None:
+                        xd, add = self._on_device(x)
+                        q = self._queue_layer(li, b, xd, add, pos)
+                    self._finish_layer(b, x, q)
                 else:
                     self._host_layer(li, b, x, pos)
             if not head:  # a chunk before the last: its residual stream is not needed; what it queued must be done
@@ -478,21 +562,25 @@ class HybridTransformer:
         xf, resid, y = tr.attend(li, b, self._on_host(x), pos)
         x.host = y + tr.ffn(b, xf, resid)  # a HybridFFN crosses the bus itself
 
-    def _device_layer(self, li: int, b, x: _Residual, pos: int) -> None:
+    def _queue_layer(self, li: int, b, xd, add, pos: int, pos_at=None) -> _Queued:
+        """Queue a device layer's work on the device, the copy down of what the host needs and its event included:
+        everything up to the host's wait (a captured step is this, replayed)."""
         dev, att, ffn = self.dev, b.attn_dev, b.ffn
-        xd, add = self._on_device(x)
         T, d = xd.shape
         xa = att.norm(xd, add=add)  # the host's share of the layer before goes into the residual here
         if b.parallel:  # Falcon: the FFN reads the layer input, attention is added after it was read
-            o = att.heads(xa, pos)
+            o = att.heads(xa, pos, pos_at)
         else:
-            att.project(att.heads(xa, pos), out=xd)
+            att.project(att.heads(xa, pos, pos_at), out=xd)
         hf = ffn if isinstance(ffn, HybridFFN) else None
-        cpu_work = hf is None or hf.host_works
+        q = _Queued(xd, hf, hf is None or hf.host_works)
         link = self.ffn_link
-        parts = {"xf": ((T, d), np.float32), "r": ((T, d), np.float32)} if cpu_work else {}
+        parts = {"xf": ((T, d), np.float32)} if q.cpu_work else {}
+        # the residual goes down for what reads it: a host FFN's masker, the CPU's predictor, a prompt's masks
+        if q.cpu_work and (hf is None or hf.pred is None or T > 1):
+            parts["r"] = ((T, d), np.float32)
         if hf is not None and hf.pred is not None and hf.cpu_holds:
-            parts["found"] = ((1 + hf.n_ff,), np.int32)
+            parts["found"] = ((1 + hf.n_ff,), np.int32)  # last: a decode step's copy stops after found_cap ids
         views = link.layout(**parts) if parts else {}
         xf = views.get("xf")
         r = views.get("r")
@@ -502,25 +590,97 @@ class HybridTransformer:
                 dev.copy(xd, r)
         else:
             xf = self.ffn_norm[li](xd, out=xf, copy=r)  # the residual for the host in the same launch
-        scores = hf.predict(xd, views.get("found")) if hf is not None and hf.pred is not None else None
-        if cpu_work:
-            link.fetch()
+        q.xf, q.found = xf, views.get("found")
+        scores = hf.predict(xd, q.found) if hf is not None and hf.pred is not None else None
+        if q.cpu_work:
+            upto = None
+            if q.found is not None and T == 1:
+                q.cap = found_cap(hf.n_ff)
+                upto = link.offsets["found"] + 4 * (1 + q.cap)
+            link.fetch(upto)
+            q.event, q.host = link.event, link.host
         if b.parallel:
             att.project(o, out=xd)
         if hf is not None and (hf.pred is not None or not hf.predicted):
             hf.launch(xf, xd, scores)  # the device's rows, into the residual, while the CPU computes its own
-        if cpu_work:
-            h = link.wait()
-
-            def send(mask):  # the CPU's predictor decided: its mask for the device's rows
-                hf.launch(xf, xd, hf.up_link.put(s=mask.float())["s"])
-
-            y = hf.host(h["xf"], h["r"], h.get("found"), send) if hf is not None else ffn(h["xf"], h["r"])
-            if b.ffn_bias is not None:
-                y = b.ffn_bias if y is None else y + b.ffn_bias
-            x.pending = y
-        elif self.ffn_bias[li] is not None:  # the down bias of an FFN wholly on the device (OPT), every token at once
+        if not q.cpu_work and self.ffn_bias[li] is not None:  # the down bias of an FFN wholly on the device (OPT)
             dev.add(xd, self.ffn_bias[li], out=xd)
+        return q
+
+    def _finish_layer(self, b, x: _Residual, q: _Queued) -> None:
+        """The host's part of a device layer, once its device work is queued: wait for what came down, the CPU's
+        neurons (the device's run meanwhile), and their sum left pending for the next layer to send up."""
+        if not q.cpu_work:
+            return
+        hf = q.hf
+        with _Span(self.bus.split, "gpu_wait_s"):
+            q.event.synchronize()
+        h = q.host
+        found = h.get("found")
+        if q.cap is not None and int(found.numpy()[0]) > q.cap:  # more ids than the first copy brought: the rest now
+            n = int(found.numpy()[0])
+            with _Span(self.bus.split, "gpu_wait_s"):
+                self.dev.to_host_async(q.found[1 + q.cap:1 + n], found.numpy()[1 + q.cap:1 + n], self.bus.stream)
+                self.bus.stream.record().synchronize()
+
+        def send(mask):  # the CPU's predictor decided: its mask for the device's rows
+            hf.launch(q.xf, q.xd, hf.up_link.put(s=mask.float())["s"])
+
+        y = hf.host(h["xf"], h.get("r"), found, send) if hf is not None else b.ffn(h["xf"], h["r"])
+        if b.ffn_bias is not None:
+            y = b.ffn_bias if y is None else y + b.ffn_bias
+        x.pending = y
+
+    def _graph_step(self, li: int, b, x: _Residual, pos: int) -> _Queued | None:
+        """A decode step of device layer li through its captured graph: what comes up is written into the page-locked
+        buffer, and one graph launch does the rest up to the host's wait (the copy up, the layer's device work, the
+        copy down, its event, the device's FFN rows). None: run this step eagerly instead (the first step in a new
+        state, which warms buffers and kernels so that nothing allocates or compiles while capturing)."""
+        if x.dev is None:
+            mode, link, tensor = "up", self.x_link, x.host
+        elif x.pending is not None:
+            mode, link, tensor = "add", self.add_link, x.pending
+        else:
+            mode, link, tensor = None, None, None
+        deps = (mode, b.attn_dev, b.ffn, getattr(b.ffn, "gpu", None), None if mode == "up" else x.dev)
+        g = self._graphs.get(li)
+        if g is None or not g.matches(deps):
+            self._graphs[li] = _Graph(deps)  # seen once: eager now, captured next time
+            return None
+        t0 = time.perf_counter()
+        if g.graph is None:
+            self._capture(g, b, link, tensor, li, pos)
+        elif tensor is not None:
+            g.fill.copy_(tensor)
+        self.dev.launch_graph(g.graph, self.bus.stream)
+        self.bus.split.transfer_s += time.perf_counter() - t0
+        if mode == "up":
+            x.dev, x.host = g.q.xd, None
+        x.pending = None
+        return g.q
+
+    def _capture(self, g: _Graph, b, link: Link | None, tensor, li: int, pos: int) -> None:
+        bus, dev = self.bus, self.dev
+        if link is not None:
+            view = link.fill(**{"x" if link is self.x_link else "p": tensor})
+            g.fill = next(iter(link.host.values()))
+        touched = [(self.pos_link, self.pos_link.gen)] + ([(link, link.gen)] if link is not None else [])
+        bus.touched = touched
+        dev.begin_capture(bus.stream)
+        try:
+            xd, add = (g.deps[4], None) if link is None else (
+                (view["x"], None) if link is self.x_link else (g.deps[4], view["p"]))
+            if link is not None:
+                link.send()
+            g.q = self._queue_layer(li, b, xd, add, pos, self.pos_link.layout(pos=((1,), np.int32))["pos"])
+            g.graph = dev.end_capture(bus.stream)
+        except BaseException:
+            dev.abort_capture(bus.stream)
+            self._graphs.pop(li, None)
+            raise
+        finally:
+            bus.touched = None
+        g.links = list({id(link): (link, gen) for link, gen in touched}.values())
 
     def _on_device(self, x: _Residual):
         """x on the device, and on the device what the host still has to add to it (or None): one copy (the whole
@@ -558,6 +718,36 @@ class HybridTransformer:
         if not all_logits:  # only the last row is read: only its sum is made
             xd, add = xd[-1:], None if add is None else add[-1:]
         return self.head(self.out_norm(xd, add=add))
+
+
+class _Queued:
+    """What a device layer's queued work leaves for the host part: the residual and normed input on the device, the
+    event after the copy down and the host views it fills, the CPU's ids on the device and how many came down."""
+
+    def __init__(self, xd, hf, cpu_work: bool):
+        self.xd, self.hf, self.cpu_work = xd, hf, cpu_work
+        self.xf = self.found = self.event = self.cap = None
+        self.host: dict = {}
+
+
+class _Graph:
+    """A device layer's captured decode step and what it was captured over: replayed only while the layer's parts
+    (attention, FFN, the device's rows: a replan replaces them), the residual's buffer and every staging buffer it
+    used (they are reallocated when a longer prompt needs more) are the same objects."""
+
+    def __init__(self, deps: tuple):
+        self.deps, self.graph, self.q, self.fill = deps, None, None, None
+        self.links: list = []
+
+    def matches(self, deps: tuple) -> bool:
+        mine = self.deps
+        if mine[0] != deps[0] or mine[1] is not deps[1] or mine[2] is not deps[2] or mine[3] is not deps[3] or \
+                mine[4] is not deps[4]:
+            return False
+        for link, gen in self.links:
+            if link.gen != gen:
+                return False
+        return True
 
 
 class _Residual:
