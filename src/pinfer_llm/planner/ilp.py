@@ -16,8 +16,10 @@ its choices and CBC rarely branches:
     m_split <= P_l(b_k) * split_mode + s_k * (n_split - b_k * split_mode)   for every group boundary b_k, slope s_k
     n_split <= N_l * split_mode
 
-A split layer's FFN takes max(GPU part, CPU part) (ffn_time[l] >= both); the layer pays the sync cost when it uses a
-GPU and the CPU (split[l, g] >= every "uses GPU g" + "uses the CPU" - 1). Memory: sum of parts on GPU g within its
+A split layer's FFN takes max(GPU part, host + CPU part) (ffn_time[l] >= both): the host thread queues the GPU's
+work before it computes the CPU's neurons. The layer pays the sync cost when it uses a GPU and the CPU
+(split[l, g] >= every "uses GPU g" + "uses the CPU" - 1), and the host's time in series when it is split but its FFN
+is not (host * (split - split_mode)). Memory: sum of parts on GPU g within its
 budget, everything else within host RAM. The paper's C_l enters as n_split >= C_l * (split_mode - attn_on - pred_on)
 (see costmodel.min_gpu_neurons).
 
@@ -281,15 +283,16 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
                 on_gpu = attn_on[l, g] + (pred_on[l, g] if l in pred_layers else 0)
                 prob += n_split[l, g] >= c_min * (split_mode[l, g] - on_gpu), f"min_gpu_neurons_{l}_{g}"
 
-    # A split FFN takes as long as the slower of its halves.
+    # A split FFN takes as long as the slower of its halves; the CPU's half starts after the host thread has done
+    # the layer's GPU work (launches, copies, Python): host[l, g] on the CPU's side.
     for l in layers:
         cpu_all = c.ffn_dispatch[CPU] + N[l] * c.dense[l, CPU] + M[l] * c.sparse[l, CPU]
         prob += ffn_time[l] >= US * pulp.lpSum(
             c.ffn_dispatch[g] * split_mode[l, g] + c.dense[l, g] * n_split[l, g] + c.sparse[l, g] * m_split[l, g]
             for g in gpus), f"ffn_gpu_time_{l}"
         prob += ffn_time[l] >= US * pulp.lpSum(
-            cpu_all * split_mode[l, g] - c.dense[l, CPU] * n_split[l, g] - c.sparse[l, CPU] * m_split[l, g]
-            for g in gpus), f"ffn_cpu_time_{l}"
+            (c.host[l, g] + cpu_all) * split_mode[l, g] - c.dense[l, CPU] * n_split[l, g]
+            - c.sparse[l, CPU] * m_split[l, g] for g in gpus), f"ffn_cpu_time_{l}"
 
     # A layer that uses GPU g and the CPU is split: any part on g together with any part on the CPU.
     for l, g in lg:
@@ -326,7 +329,10 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
                          for l in layers)
             + pulp.lpSum((c.ffn_dispatch[g] + N[l] * c.dense[l, g] + M[l] * c.sparse[l, g]) * full[l, g]
                          for l, g in lg)
-            + pulp.lpSum(c.sync[l, g] * split[l, g] for l, g in lg)) + pulp.lpSum(ffn_time[l] for l in layers)
+            + pulp.lpSum(c.sync[l, g] * split[l, g] for l, g in lg)
+            # the host's work in a split layer whose FFN is not split (split >= split_mode): nothing runs beside it
+            + pulp.lpSum(c.host[l, g] * (split[l, g] - split_mode[l, g]) for l, g in lg)
+        ) + pulp.lpSum(ffn_time[l] for l in layers)
     else:
         prob += pulp.lpSum(m_split[l, g] + M[l] * full[l, g] for l, g in lg)
     return prob, Vars(attn_on, pred_on, out_on, cpu_ffn, full, split_mode, n_split, m_split, ffn_time, split,
@@ -382,7 +388,7 @@ def set_start(p: Problem, v: Vars, plan: Plan) -> None:
             v.m_split[l, g].setInitialValue(mass)
             gpu = c.ffn_dispatch[g] + k * c.dense[l, g] + mass * c.sparse[l, g]
             cpu = c.ffn_dispatch[CPU] + (N - k) * c.dense[l, CPU] + (p.prefix[l][-1] - mass) * c.sparse[l, CPU]
-            v.ffn_time[l].setInitialValue(US * max(gpu, cpu))
+            v.ffn_time[l].setInitialValue(US * max(gpu, c.host[l, g] + cpu))
             used |= {g, CPU}
         for h in range(1, J + 1):
             if h in used and CPU in used:
@@ -595,6 +601,11 @@ def _polish(p: Problem, v: Vars, objective: str) -> Plan:
                 ffn_gpu[l] = g
                 n_gpu[l] = min(int(math.floor(_val(v.n_split[l, g]) + 1e-6)), m.layers[l].n_ff)
                 split_layers.append(l)
+        if n_gpu[l] == 0 and max(attn[l], pred[l]) > 0:
+            # FFN on the CPU beside GPU parts: already split, so neurons the rounding leaves room for cost no host
+            # time or sync of their own (the ILP's groups may be too coarse to have placed a few)
+            ffn_gpu[l] = max(attn[l], pred[l])
+            split_layers.append(l)
     plan = _repair(p, Plan("ilp" if objective == "time" else "ilp-hot-mass", attn, pred, ffn_gpu, n_gpu, out))
     for l in split_layers:
         g = int(plan.ffn_gpu[l]) or int(ffn_gpu[l])
