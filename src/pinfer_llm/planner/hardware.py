@@ -24,8 +24,8 @@ A `--hw` file (every section and key optional; unknown keys are errors, so typos
     [engine]                   # the GPU's kernels
     gpu_launch_us = 3.0        # fixed latency of one kernel on the device (launch to first byte, tail)
     gpu_bw_efficiency = 0.8    # share of the datasheet bandwidth a kernel reaches, for types not listed below
-    gpu_dense_efficiency = { f16 = 0.80, q8_0 = 0.42, q4_0 = 0.27 }    # matrix-vector kernels, per weight type
-    gpu_sparse_efficiency = { f16 = 0.31, q8_0 = 0.18, q4_0 = 0.10 }   # the sparse FFN's gathered rows
+    gpu_dense_efficiency = { f16 = 0.87, q8_0 = 0.45, q4_0 = 0.30 }    # matrix-vector kernels, per weight type
+    gpu_sparse_efficiency = { f16 = 0.39, q8_0 = 0.23, q4_0 = 0.12 }   # the sparse FFN's gathered rows
     sync_us = 10.0             # fixed cost of joining the CPU and GPU halves of a split layer (event wait)
 
     [host]                     # the one thread that queues the GPU's work and then computes the CPU's neurons
