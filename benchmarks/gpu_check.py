@@ -13,8 +13,9 @@ fit is listed under "not_run"); the planted model for phase 4 is written in the 
    bytes touched / time against that bandwidth and against a copy kernel of the same bytes timed the same way. Each
    timed launch reads another of several copies of the layer, so L2 does not serve repeats. From these, the cost
    model's GPU constants (planner.calibration.fit_device): efficiency per weight type, latency per kernel.
-3. The checks of phase 1 at smaller shapes under compute-sanitizer's racecheck, synccheck and memcheck, each in a
-   child process with its share of the time left (one line saying so where compute-sanitizer is not installed).
+3. The checks of phase 1 at smaller shapes under compute-sanitizer's racecheck, synccheck and memcheck
+   (benchmarks/gpu_sanitize.sh), each with its share of the time left (one line saying so where
+   compute-sanitizer is not installed).
 4. End to end (benchmarks/gpu_e2e.py): a planted Llama2-13B-shaped F16 model with --vram-budget 12, the placements
    plan, layers, powerinfer and cpu in interleaved paired rounds, tokens and logits against the CPU sparse path step
    by step, and the cost model before and after the fit, printed as `pi-plan --hw` lines.
@@ -34,7 +35,6 @@ import dataclasses
 import datetime
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -49,7 +49,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]  # the c
 import gpu_e2e  # noqa: E402
 
 COPIES = 4  # layer copies cycled through in timed loops (4 x 28 MB touched at 10% F16 >> L2)
-SANITIZERS = ("racecheck", "synccheck", "memcheck")
+SANITIZERS = ("racecheck", "synccheck", "memcheck")  # as benchmarks/gpu_sanitize.sh runs them
 E2E_RESERVE_S = 150  # what phase 4 needs at the least on an H200 (loads, three rounds, the logits steps)
 LLAMA3_ROPE = (500000.0, 2.0)
 
@@ -185,8 +185,8 @@ def run_phases(args, size, deadline, dev, ref, clock, info, res, background) -> 
 def finish(res: dict, args, deadline) -> int:
     res["seconds"] = round(time.perf_counter() - deadline.t0, 1)
     res["all_pass"] = bool(res["checks_pass"]) and not any(
-        v.get("verdict") not in ("clean", "timed out") for v in res.get("sanitizer", {}).values()
-        if isinstance(v, dict))
+        v.get("verdict") in ("errors",) or str(v.get("verdict", "")).startswith("failed")
+        for v in res.get("sanitizer", {}).values() if isinstance(v, dict))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=_json_default))
@@ -264,40 +264,19 @@ class ModelMaker:
 
 
 def sanitize(args, budget_s: float, not_run: list) -> dict:
-    """Phase 1 at --size quick under each compute-sanitizer tool, each in a child process with an equal share of
+    """Phase 1 at --size quick under each compute-sanitizer tool (benchmarks/gpu_sanitize.sh), each with a third of
     `budget_s`; a tool that does not finish in its share is recorded as timed out."""
-    cs = shutil.which("compute-sanitizer") or next(
-        (str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/compute-sanitizer"))), None)
-    if cs is None:
-        print("gpu-check: compute-sanitizer is not installed: the kernels ran without racecheck, synccheck and "
-              "memcheck")
-        return {"sanitizer": None, "why": "compute-sanitizer not installed"}
-    out: dict = {"sanitizer": cs}
-    for i, tool in enumerate(SANITIZERS):
-        share = budget_s / (len(SANITIZERS) - i)
-        if share < 15:
-            not_run.append(f"compute-sanitizer {tool} (deadline)")
-            out[tool] = {"verdict": "not run"}
-            continue
-        t0 = time.perf_counter()
-        cmd = [cs, "--tool", tool, "--error-exitcode", "3", sys.executable, str(Path(__file__).resolve()),
-               "--quick", "--checks-only", "--out", str(Path(args.out).with_suffix(f".{tool}.json"))]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=share)
-            verdict = {0: "clean", 3: "errors"}.get(p.returncode, f"failed (rc {p.returncode})")
-            log = p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            verdict, log = "timed out", (e.stdout or b"").decode(errors="replace") if isinstance(
-                e.stdout, bytes) else (e.stdout or "")
-        secs = round(time.perf_counter() - t0, 1)
-        budget_s -= secs
-        summary = [ln for ln in log.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
-        out[tool] = {"verdict": verdict, "seconds": secs, "summary": summary[-1] if summary else ""}
-        print(f"gpu-check: compute-sanitizer {tool}: {verdict} in {secs} s"
-              f"{' (' + summary[-1] + ')' if summary else ''}")
-        if verdict not in ("clean", "timed out"):
-            print("\n".join(log.splitlines()[-20:]))
-    return out
+    per_tool = int(budget_s // len(SANITIZERS))
+    if per_tool < 15:
+        not_run.append("compute-sanitizer (deadline)")
+        return {"sanitizer": "not run", "why": "deadline"}
+    out = Path(args.out).with_suffix(".sanitize.json")
+    try:
+        subprocess.run(["bash", str(ROOT / "benchmarks/gpu_sanitize.sh"), sys.executable, str(out), str(per_tool)],
+                       timeout=budget_s + 30, check=False)
+        return json.loads(out.read_text())
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        return {"sanitizer": "failed", "why": repr(e)}
 
 
 def report_e2e(e2e: dict) -> None:

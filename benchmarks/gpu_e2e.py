@@ -19,6 +19,8 @@
    with the kernels' fitted constants (gpu_check's) and the two these runs pin down (the CPU's bandwidth from the
    CPU-only run, the host's time per split layer from the plan run); the other runs are out of sample. The fitted
    constants are printed as `pi-plan --hw` lines.
+6. `timed`: a short extra decode per placement with the device's own compute and copy time per token (CUDA events,
+   runtime/gpu/timing.py), apart from the figures above because the events cost host time.
 A deadline (--deadline, seconds from the start) stops new work: what did not fit is recorded as not run.
 Needs CuPy and a CUDA GPU (`--gpu reference` runs the same code on the CPU stand-in: tests/test_gpu_check_harness.py).
 """
@@ -105,6 +107,18 @@ def decode_round(m, ids: list[int], tokens: int) -> dict:
     return {"tokens": out, "decode_tokens_per_s": m.stats.decode_tps,
             "per_token": rep["per_token"] if rep else {"cpu_ms": round(1e3 / max(m.stats.decode_tps, 1e-9), 3),
                                                        "gpu_wait_ms": 0.0, "transfer_ms": 0.0}}
+
+
+def timed_decode(m, ids: list[int], tokens: int) -> dict:
+    from pinfer_llm.runtime.gpu.timing import Timeline
+
+    m.split.timeline = m.transformer.dev.start_timeline()
+    try:
+        list(m.generate(ids, max_tokens=tokens, temperature=0.0))
+        return m.hybrid_report()["per_token"] | {"decode_tokens_per_s": round(m.stats.decode_tps, 3)}
+    finally:
+        Timeline.uninstall(m.transformer.dev)
+        m.split.timeline = None
 
 
 def paired_rounds(models: dict, ids: list[int], tokens: int, rounds: int, deadline: Deadline) -> dict:
@@ -314,6 +328,15 @@ def run_e2e(args, deadline: Deadline, say=print, device_fit=None, model_ready=No
             ref = step_logits(models[CPU_PATH], forced, len(ids))
         runs[name]["against_cpu_path"] = compare_steps(ref, step_logits(m, forced, len(ids)))
         step_s = time.perf_counter() - t0
+    # the device's own compute and copy time per token: a short extra decode with CUDA events (not in the figures
+    # above: the events cost host time)
+    for name, m in models.items():
+        if name == CPU_PATH or not args.timed_tokens:
+            continue
+        if not deadline.allows(10):
+            res["not_run"].append(f"{name}: timed decode (deadline)")
+            continue
+        runs[name]["timed"] = timed_decode(m, ids, args.timed_tokens)
     try:
         problem, info, budget = problem_for_run(path, args)
         plans = plans_of(problem, runs)
@@ -336,6 +359,104 @@ def run_e2e(args, deadline: Deadline, say=print, device_fit=None, model_ready=No
     return res
 
 
+RUN1 = _TREE / "benchmarks/gpu_runs/2026-11-30-e2e-13b-run1.json"
+RUN2 = _TREE / "benchmarks/gpu_runs/2026-11-30-e2e-13b-run2.json"
+
+
+def replay(run1: Path = RUN1, run2: Path = RUN2, say=print) -> dict:
+    """The cost model against the one H200 session's runs, without a GPU (`--replay`): its model rebuilt as a
+    weightless skeleton (llama2-13b F16, synth.fast's planted frequencies; run 1's model fired as its CPU run
+    measured per layer, a synth bug since fixed), its placements re-planned as the planner then did (today's byte
+    accounting, so a few thousand neurons fewer; the old cost model: one 0.8 efficiency, no host term), and each
+    predicted by today's cost model: the CPU's bandwidth fitted on run 1's CPU-only run, the GPU's constants the
+    H200 defaults, the host's time per split layer the machine file's default (measured here, on today's code) and,
+    beside it, the value run 2's plan run fits (the code then: ~5 synchronous copies and 14 launches per split
+    layer)."""
+    import tempfile
+    from dataclasses import replace
+
+    import numpy as np
+
+    from pinfer_llm.planner.activations import Activations
+    from pinfer_llm.planner.baselines import all_baselines
+    from pinfer_llm.planner.calibration import calibrate_hybrid
+    from pinfer_llm.planner.costmodel import evaluate
+    from pinfer_llm.planner.hardware import CPU, Hardware, lookup_gpu
+    from pinfer_llm.planner.ilp import solve
+    from pinfer_llm.planner.problem import build_problem
+    from pinfer_llm.planner.skeleton import make_skeleton
+    from pinfer_llm.synth.fast import TOKENS
+    from pinfer_llm.synth.generator import power_law_frequencies
+
+    r1, r2 = json.loads(Path(run1).read_text()), json.loads(Path(run2).read_text())
+    a = r1["args"]
+    with tempfile.TemporaryDirectory() as d:
+        skel = make_skeleton(r1["shape"], Path(d) / "skeleton.gguf", quant=r1["type"])
+        L, n_ff = 40, 13824
+        freq = power_law_frequencies(n_ff, 0.9, 1.0)  # synth.fast's defaults (the order does not matter here)
+        gpu = lookup_gpu("h200")
+        gpu.vram_budget_gib = a["vram_budget"]
+        cpu = CPU("H200 host", a["threads"], 100.0, 128.0)
+        now = Hardware(cpu, [gpu])
+        then = Hardware(cpu, [gpu], gpu_dense_efficiency={}, gpu_sparse_efficiency={}, host_split_layer_us=0.0,
+                        host_call_us=0.0)
+
+        def problem(hw, freqs):
+            return build_problem(skel, hw, ctx_size=a["ctx"], activations=Activations(freqs, TOKENS, "replay"))
+
+        planted = [freq] * L
+        p_then = problem(then, planted)
+        base = all_baselines(p_then)
+        plans = {"plan": solve(p_then, "time", "cbc", 60.0, 1e-3, baselines=base).plan,
+                 "layers": base["layers"].plan, "powerinfer": base["powerinfer"].plan, "cpu": base["cpu"].plan}
+
+        def scaled(target: float) -> np.ndarray:  # the planted curve scaled to a measured active fraction
+            lo, hi = 0.0, 1e3
+            for _ in range(80):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if np.minimum(1, freq * mid).mean() < target else (lo, mid)
+            return np.minimum(1, freq * hi)
+
+        cpu_run = next(r for r in r1["runs"] if r["gpu"] == "none")
+        faulty = [scaled(f) for f in cpu_run["sparsity"]]
+        measured = {1: {r["placement"]: r["decode_tokens_per_s"] for r in r1["runs"] if r["gpu"] != "none"},
+                    2: {r["placement"]: r["decode_tokens_per_s"] for r in r2["runs"] if r.get("decode_tokens_per_s")}}
+        recorded = {i: {r["placement"]: r.get("predicted_tokens_per_s") for r in rr["runs"] if r.get("gpu") != "none"}
+                    for i, rr in ((1, r1), (2, r2))}
+        p1 = problem(now, faulty)
+        fit = calibrate_hybrid(p1, {"cpu": (plans["cpu"], 1 / cpu_run["decode_tokens_per_s"]),
+                                    "plan": (plans["plan"], 1 / measured[1]["plan"])})
+        bw = fit.cpu_bw_gbs
+        at = replace(now, cpu=replace(cpu, mem_bw_gbs=bw, bw_efficiency=1.0))
+        p2 = problem(at, planted)
+        host2 = calibrate_hybrid(p2, {"cpu": (plans["cpu"], evaluate(p2, plans["cpu"]).time),
+                                      "plan": (plans["plan"], 1 / measured[2]["plan"])}).host_split_layer_us
+        rows = []
+        for run, freqs in ((1, faulty), (2, planted)):
+            for name, plan in plans.items():
+                row = {"run": run, "placement": name, "measured": measured[run].get(name),
+                       "before_recorded": recorded[run].get(name), "gpu_neurons": int(plan.n_gpu.sum())}
+                for key, host in (("after_default_host", now.host_split_layer_us), ("after_host_fitted_run2", host2)):
+                    hw = replace(at, host_split_layer_us=host)
+                    p = problem(hw, freqs)
+                    row[key] = round(evaluate(p, plan).tokens_per_s, 2)
+                rows.append(row)
+    out = {"cpu_bw_gbs_fitted_run1": round(bw, 1), "host_split_layer_us_default": now.host_split_layer_us,
+           "host_split_us_default_total": now.host_split_us, "host_split_layer_us_fitted_run2": round(host2, 1),
+           "host_split_layer_us_fitted_run1": round(fit.host_split_layer_us, 1), "rows": rows}
+    calls = now.host_calls_per_split_layer * now.host_call_us
+    say(f"CPU bandwidth fitted on run 1's CPU-only run: {bw:.1f} GB/s; host per split layer: default "
+        f"{now.host_split_us:.0f} us ({now.host_split_layer_us:g} Python + {calls:g} CuPy calls), fitted on run 2's "
+        f"plan {host2 + calls:.0f} us, on run 1's {fit.host_split_layer_us + calls:.0f} us")
+    say(f"{'run':>3} {'placement':<11} {'measured':>9} {'before':>7} {'after':>7} {'after, host of run 2':>21}")
+    for r in rows:
+        m = f"{r['measured']:.2f}" if r["measured"] else "-"
+        b = f"{r['before_recorded']:.1f}" if r["before_recorded"] else "-"
+        say(f"{r['run']:>3} {r['placement']:<11} {m:>9} {b:>7} {r['after_default_host']:7.2f} "
+            f"{r['after_host_fitted_run2']:21.2f}")
+    return out
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shape", default="llama2-13b", help="synth.fast shape (tiny, 1b, llama2-7b, llama2-13b, ...)")
     ap.add_argument("--type", default="f16")
@@ -345,6 +466,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens per placement and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="decode steps of the logits comparison")
+    ap.add_argument("--timed-tokens", type=int, default=8,
+                    help="then decode this many once more with --gpu-timing's CUDA events (0: not)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--gpu", default="cuda", help="cuda, or reference (the CPU stand-in: tests this script)")
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
@@ -355,7 +478,12 @@ def main(argv=None) -> int:
     add_args(ap)
     ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
     ap.add_argument("--deadline", type=float, default=None, help="start nothing new after this many seconds")
+    ap.add_argument("--replay", action="store_true",
+                    help="no GPU: today's cost model against the recorded H200 runs (benchmarks/gpu_runs/)")
     args = ap.parse_args(argv)
+    if args.replay:
+        print(json.dumps(replay(), indent=1))
+        return 0
     res = run_e2e(args, Deadline(args.deadline))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
