@@ -73,6 +73,7 @@ def test_gpu_check_runs_every_phase(env, capsys):
         vs = r["against_cpu_path"]
         assert vs["steps"] == 5 and vs["argmax_equal"] and max(vs["max_abs_logit_diff"]) < 1e-3, (name, vs)
     assert runs["cpu"]["plan"]["n_gpu"] == [0, 0] and sum(runs["layers"]["plan"]["n_gpu"]) > 0
+    assert {"gpu_compute_ms", "gpu_copy_ms"} <= set(runs["plan"]["timed"])  # the extra decode with CUDA events
     assert len(set(e2e["forced_tokens"])) == 4  # distinct tokens, one per decode step
     assert {"plan_over_layers", "plan_over_powerinfer"} <= set(e2e)
     # 5. before and after the fit, and the fitted constants as a --hw file pi-plan reads back
@@ -121,3 +122,22 @@ def test_deadline_records_what_did_not_run(env, capsys):
     assert res["not_run"] == ["kernel speed (deadline)", "end to end (deadline)"]
     assert "not run: kernel speed (deadline), end to end (deadline)" in capsys.readouterr().out
     assert not (env / "never.gguf").exists()  # the model being made in the background is stopped and removed
+
+
+def test_sanitizer_share_and_absence(env, monkeypatch, capfd):
+    """Too little time left for the sanitizers: recorded as not run, nothing started. Time enough but no
+    compute-sanitizer on the machine: one line says so and the run goes on."""
+    import argparse
+    import shutil
+
+    args = argparse.Namespace(out=str(env / "r.json"))
+    not_run: list = []
+    assert gpu_check.sanitize(args, 30, not_run) == {"sanitizer": "not run", "why": "deadline"}
+    assert not_run == ["compute-sanitizer (deadline)"]
+    if shutil.which("compute-sanitizer") or list(Path("/usr/local").glob("cuda*/bin/compute-sanitizer")):
+        pytest.skip("compute-sanitizer is installed here")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    res = gpu_check.sanitize(args, 300, not_run)
+    assert res == {"sanitizer": None, "why": "compute-sanitizer not installed"} and len(not_run) == 1
+    assert capfd.readouterr().out.splitlines() == [
+        "gpu-check: compute-sanitizer is not installed: the kernels ran without racecheck, synccheck and memcheck"]
