@@ -44,9 +44,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]  # the checkout, without an install
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 
-import gpu_e2e  # noqa: E402
+from benchmarks import gpu_e2e  # noqa: E402  (not benchmarks/ itself on the path: its kernels.py shadows a package)
 
 COPIES = 4  # layer copies cycled through in timed loops (4 x 28 MB touched at 10% F16 >> L2)
 SANITIZERS = ("racecheck", "synccheck", "memcheck")  # as benchmarks/gpu_sanitize.sh runs them

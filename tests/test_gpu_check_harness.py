@@ -14,18 +14,12 @@ Plants (each made a test below fail, then restored):
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import gpu_check  # noqa: E402
-import gpu_e2e  # noqa: E402
-
-from pinfer_llm.planner.machine import resolve_hardware  # noqa: E402
+from benchmarks import gpu_check, gpu_e2e
+from pinfer_llm.planner.machine import resolve_hardware
 
 # half of the tiny planted model fits beside the planner's GPU workspace: the placements differ
 BUDGET_GIB = "0.2525"
