@@ -3,10 +3,13 @@ neurons start only after them; per-type GPU efficiencies and the host constants 
 
 Plants (each made the test below fail, then restored):
 - costmodel.costs without `host[:, k] = ...` (no host term): test_high_host_cost_means_fewer_split_layers;
-- ilp.build_model without the host term in ffn_cpu_time (host only in evaluate): the same test's "the ILP's value is
-  the cost model's" check;
+- ilp.build_model without the host in the split's objective term (host only in evaluate): the same test's "the ILP
+  alone" check;
 - hardware.Hardware.gpu_efficiency always returning gpu_bw_efficiency: test_gpu_efficiency_is_per_weight_type;
-- the JSON branch of load_hw_file removed: test_host_constants_from_hybrid_overhead_json.
+- the JSON branch of load_hw_file removed: test_host_constants_from_hybrid_overhead_json;
+- ilp.build_model's ffn_gpu_time without "- host" (the GPU's half no longer hides the host):
+  test_ilp_equals_brute_force_with_the_host;
+- ilp._blocks_start returning Plan.on_cpu: test_several_gpus_start_from_blocks_of_layers.
 """
 # ruff: noqa: E741
 
@@ -155,3 +158,43 @@ def test_gpu_efficiency_is_per_weight_type(tmp_path):
         per_byte[qtype] = c.sparse[0, 1] / lb.sparse_per_neuron
         assert per_byte[qtype] == pytest.approx(1 / (800e9 * hw.gpu_efficiency(qtype.name, sparse=True)))
     assert per_byte[T.Q4_0] == pytest.approx(4 * per_byte[T.F16])
+
+
+@pytest.mark.parametrize("host_us", [0.2, 1.0, 3.0])
+def test_ilp_equals_brute_force_with_the_host(tmp_path, host_us):
+    """The ILP against enumeration when the host's time is of the order of a layer's: split FFNs whose GPU half
+    hides the host, splits the host makes not worth it, and whole layers, as the cost model prices them."""
+    from tests.test_plan_helpers import fast_hw, gpu
+    from tests.test_plan_ilp import brute_force
+
+    path = tiny_model(tmp_path / "m.gguf", n_layer=3, n_ff=12)
+    total = account(open_gguf(path)).total
+    g = gpu("g", budget_bytes=int(0.45 * total), model=path, mem_bw_gbs=3.0)  # a slow GPU: its half can be long
+    p = build_problem(path, fast_hw([g], host_split_layer_us=host_us, host_call_us=0.0), group=1)
+    best, _ = brute_force(p)
+    sol = solve(p, "time", gap=0.0, exact=True)
+    assert sol.status == "optimal"
+    assert sol.evaluation.time == pytest.approx(best, rel=1e-7)
+    assert sol.ilp_value * 1e-6 + p.costs.token == pytest.approx(sol.evaluation.time, rel=1e-3)
+
+
+def test_several_gpus_start_from_blocks_of_layers(tmp_path):
+    """Two GPUs: the start handed to CBC (ilp._blocks_start) gives each GPU a contiguous block of layers planned by
+    the single-GPU heuristic; it fits, uses both, and is no slower than any baseline (with the host's time the
+    relaxation of several GPUs is loose, and CBC may stop at its start: solve returns nothing slower than it)."""
+    from pinfer_llm.planner import ilp
+    from pinfer_llm.planner.baselines import all_baselines
+    from tests.test_plan_helpers import fast_hw, gpu
+
+    path = tiny_model(tmp_path / "m.gguf", n_layer=6, n_ff=96)
+    total = account(open_gguf(path)).total
+    gpus = [gpu(f"g{j}", budget_bytes=total // 4, model=path) for j in range(2)]
+    p = build_problem(path, fast_hw(gpus, host_split_layer_us=0.5), group=8)
+    start = ilp._blocks_start(p)
+    ev = evaluate(p, start)
+    assert ev.fits and set(start.ffn_gpu[start.n_gpu > 0]) == {1, 2}
+    on = np.maximum(np.maximum(start.attn, start.pred), start.ffn_gpu)
+    assert (np.diff(on[on > 0]) >= 0).all()  # GPU 1's layers, then GPU 2's
+    base = [b.time for b in all_baselines(p).values() if b.time is not None]
+    assert ev.time <= min(base)
+    assert ilp._blocks_start(build_problem(path, fast_hw(gpus[:1]))) is None  # one GPU: the heuristic itself
