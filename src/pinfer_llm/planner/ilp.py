@@ -20,8 +20,8 @@ A split layer's FFN takes max(GPU part, host + CPU part): the host thread queues
 the CPU's neurons. The layer pays the sync cost and the host's time when it uses a GPU and the CPU
 (split[l, g] >= every "uses GPU g" + "uses the CPU" - 1), and ffn_time[l] >= both of GPU part - host and CPU part,
 so a split FFN costs host + max(GPU - host, CPU) = max(GPU, host + CPU), and one whole on a side pays the host in
-series. Memory: sum of parts on GPU g within its budget, everything else within host RAM. The paper's C_l enters as n_split >= C_l * (split_mode - attn_on - pred_on)
-(see costmodel.min_gpu_neurons).
+series. Memory: sum of parts on GPU g within its budget, everything else within host RAM. The paper's C_l enters
+as n_split >= C_l * (split_mode - attn_on - pred_on) (see costmodel.min_gpu_neurons).
 
 Relaxing m_split below P_l(n_split) gains at most one neuron's worth per layer (a prefix with the same mass, or the
 balance point, does as well with less VRAM, up to rounding to whole neurons), so `_polish` turns the LP's values
