@@ -118,6 +118,7 @@ def main(argv=None) -> int:
         return 2
     if args.device == "emulated":
         args.gpu = "reference"
+    args.shape = args.shape or ("tiny" if args.device == "emulated" else "llama2-13b")
     res = {"commit": commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "device": dev.name, "gpu": info["name"], "size": dataclasses.asdict(size), "deadline_s": args.deadline,
            "checks": [], "bench": [], "not_run": []}

@@ -458,7 +458,8 @@ def replay(run1: Path = RUN1, run2: Path = RUN2, say=print) -> dict:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--shape", default="llama2-13b", help="synth.fast shape (tiny, 1b, llama2-7b, llama2-13b, ...)")
+    ap.add_argument("--shape", help="synth.fast shape (tiny, 1b, llama2-7b, llama2-13b, ...; default llama2-13b, "
+                                    "tiny on a stand-in device)")
     ap.add_argument("--type", default="f16")
     ap.add_argument("--model", help="use this file instead of making one")
     ap.add_argument("--vram-budget", type=float, default=12.0, help="GiB (a consumer card's)")
@@ -481,6 +482,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", action="store_true",
                     help="no GPU: today's cost model against the recorded H200 runs (benchmarks/gpu_runs/)")
     args = ap.parse_args(argv)
+    args.shape = args.shape or ("tiny" if args.gpu == "reference" else "llama2-13b")
     if args.replay:
         print(json.dumps(replay(), indent=1))
         return 0
