@@ -49,21 +49,19 @@ bench: install
 	$(BIN)/python -m pip install -q psutil
 	$(BIN)/python benchmarks/decode.py --threads $(THREADS)
 
-# On a machine with an NVIDIA GPU: every CUDA kernel against its CPU reference at Llama-13B sizes and their GB/s
-# (benchmarks/gpu_check.py), then the hybrid executor end to end on a planted Llama2-13B-shaped F16 model with a
-# 12 GiB budget (benchmarks/gpu_e2e.py: plan vs layers, tokens vs the CPU path, and each placement's device-side
-# compute and copy time per token from a short extra decode with CUDA events); both into one file,
-# benchmarks/results/gpu_check.json. GPU machines come with a CUDA torch and CuPy in GPU_PYTHON (default: python3);
-# pinfer's light dependencies go into build/gpu-site, from wheels in .whl/ when there are any (machines without
-# PyPI), else from PyPI.
+# On a machine with an NVIDIA GPU, in one run of under 5 minutes (benchmarks/gpu_check.py): every CUDA kernel
+# against its CPU reference at Llama-13B sizes and their GB/s, the cost model's GPU constants fitted from them, the
+# checks under compute-sanitizer where it is installed, then the planted Llama2-13B-shaped F16 model with a 12 GiB
+# budget under the placements plan, layers, powerinfer and cpu in paired rounds, tokens and logits against the CPU
+# path step by step, and the cost model before and after the fit (benchmarks/gpu_e2e.py); a deadline keeps it under
+# 5 minutes and lists what did not fit. Into benchmarks/gpu_runs/DATE-gpu-check.json, with the commit it measured.
+# GPU machines come with a CUDA torch and CuPy in GPU_PYTHON (default: python3); pinfer's light dependencies go
+# into build/gpu-site, from wheels in .whl/ when there are any (machines without PyPI), else from PyPI.
 GPU_PYTHON ?= python3
 GPU_SITE = build/gpu-site
 gpu-check:
 	$(GPU_PYTHON) -m pip install -q --no-deps --target $(GPU_SITE) $(if $(wildcard .whl/*.whl),--no-index .whl/*.whl,gguf pulp)
-	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
-	-PYTHONPATH=$(GPU_SITE):src:. benchmarks/gpu_sanitize.sh $(GPU_PYTHON) benchmarks/results/gpu_sanitize.json
-	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_e2e.py --rounds 1 --placements plan,layers --cpu-last \
-	  --deadline 150 --merge-into benchmarks/results/gpu_check.json
+	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_check.py --deadline 270
 
 lint: install
 	$(BIN)/python -m pip install -q ruff

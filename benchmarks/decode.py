@@ -126,7 +126,8 @@ def run_worker(engine: str, args) -> dict:
     env = dict(os.environ)
     if engine == "pinfer-forward":
         env["PINFER_DECODE_STEP"] = "0"
-    cmd = [sys.executable, __file__, "--worker", engine.split("-")[0], "--model", args.model, "--threads", str(args.threads),
+    cmd = [sys.executable, __file__, "--worker", engine.split("-")[0], "--model", args.model,
+           "--threads", str(args.threads),
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--prefill", str(args.prefill),
            "--depth", str(args.depth)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)

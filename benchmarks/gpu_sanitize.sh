@@ -2,10 +2,12 @@
 # The GPU kernels' correctness checks (benchmarks/gpu_check.py --quick --checks-only) under compute-sanitizer's
 # racecheck, synccheck and memcheck: what the CPU emulation's race detector cannot see (the memory model, the
 # hardware's own scheduling). Part of `make gpu-check`. Where compute-sanitizer is not installed it says so in one
-# line and exits 0, so that the rest of gpu-check still runs. Usage: gpu_sanitize.sh PYTHON OUT_JSON
+# line and exits 0, so that the rest of gpu-check still runs. Usage: gpu_sanitize.sh PYTHON OUT_JSON [SECONDS]
+# (SECONDS per tool, default 100; benchmarks/gpu_check.py passes its share of the time left)
 set -u
 PY=${1:-python3}
 OUT=${2:-benchmarks/results/gpu_sanitize.json}
+PER_TOOL=${3:-100}
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 mkdir -p "$(dirname "$OUT")"
 if [ -z "$CS" ]; then
@@ -18,8 +20,8 @@ status=0
 for tool in racecheck synccheck memcheck; do
   log=$(mktemp)
   start=$(date +%s)
-  # 100 s per tool: the sanitizers slow kernels 10-100x, and gpu-check has 5 minutes in all
-  timeout 100 "$CS" --tool "$tool" --error-exitcode 3 "$PY" benchmarks/gpu_check.py --quick --checks-only \
+  # the sanitizers slow kernels 10-100x, and gpu-check has 5 minutes in all
+  timeout "$PER_TOOL" "$CS" --tool "$tool" --error-exitcode 3 "$PY" benchmarks/gpu_check.py --quick --checks-only \
     --out "$(dirname "$OUT")/sanitize-$tool.json" > "$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))

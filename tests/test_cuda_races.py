@@ -19,7 +19,7 @@ from cuda_emu import emu, fake_cupy
 from pinfer_llm.runtime.gpu import CudaDevice, ReferenceDevice
 from pinfer_llm.runtime.gpu import cuda as cuda_mod
 from pinfer_llm.runtime.gpu import layout as L
-from pinfer_llm.runtime.gpu.sources import KERNEL_DIR, source
+from pinfer_llm.runtime.gpu.sources import source
 
 ATOMICS = """  atomicAdd(y, v.x);
   atomicAdd(y + 1, v.y);

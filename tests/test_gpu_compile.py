@@ -126,8 +126,8 @@ def test_every_type_has_every_entry_point(reports):
         for n in (f"gemv_{t}_t1", f"gemv_{t}_t8", f"dequant_{t}", f"sparse_up_{t}_t1", f"sparse_up_{t}_t8",
                   f"sparse_down_{t}_t1", f"sparse_down_{t}_t2"):
             assert n in names, n
-    for n in ("select_count", "select_rows", "select_active", "rms_norm", "layer_norm", "rope_kv_store", "attn_partial", "attn_combine", "add_f32",
-              "gather_rows_f32"):
+    for n in ("select_count", "select_rows", "select_active", "rms_norm", "layer_norm", "rope_kv_store", "attn_partial",
+              "attn_combine", "add_f32", "gather_rows_f32"):
         assert n in names, n
 
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -221,7 +222,7 @@ def test_gpu_check_correctness_section_on_the_emulation(ref):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     out: list = []
-    gpu_check.run_checks(CudaDevice(cupy=fake_cupy), ref, out, 1056, 96, quick=True)
+    gpu_check.run_checks(CudaDevice(cupy=fake_cupy), ref, out, replace(gpu_check.SIZES["quick"], n_ff=96))
     failed = [c for c in out if not c["pass"]]
     assert len(out) > 60 and not failed, failed
 
@@ -236,15 +237,18 @@ def test_gpu_check_benchmark_section_runs_on_the_emulation(monkeypatch):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
 
-    class Pool:
-        def free_all_blocks(self):
+    class Clock:  # each timed call once
+        def time(self, fn, reps):
+            return (fn(0), 1e-5)[1]
+
+        def same_size_copy(self, nbytes):
+            return 1.0
+
+        def free(self):
             pass
 
-    monkeypatch.setattr(fake_cupy, "get_default_memory_pool", lambda: Pool(), raising=False)
-    monkeypatch.setattr(gpu_check, "_time", lambda cp, fn, reps: (fn(0), 1e-5)[1])
-    monkeypatch.setattr(gpu_check, "same_size_copy", lambda cp, nbytes, sm: 1.0)
     out: list = []
-    gpu_check.run_bench(CudaDevice(cupy=fake_cupy), fake_cupy, out, 1000.0, 1056, 160)
+    gpu_check.run_bench(CudaDevice(cupy=fake_cupy), Clock(), out, 1000.0, replace(gpu_check.SIZES["quick"], n_ff=160))
     kernels = {o["kernel"] for o in out}
     assert {"sparse_up", "sparse_down", "gemv", "predict", "attention"} <= kernels, kernels
     assert not [o for o in out if "error" in o]
@@ -263,12 +267,10 @@ def test_gpu_e2e_runs_on_the_reference_device(tmp_path, monkeypatch):
         sys.path.remove(str(ROOT / "benchmarks"))
     monkeypatch.setenv("PINFER_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "e2e.json"
-    monkeypatch.setattr(sys, "argv", ["gpu_e2e.py", "--gpu", "reference", "--shape", "tiny", "--type", "f32",
-                                      "--model", str(tmp_path / "tiny.gguf"), "--rounds", "1", "--tokens", "4",
-                                      "--timed-tokens", "3", "--placements", "plan,layers", "--cpu-last",
-                                      "--threads", "1", "--out", str(out)])
-    gpu_e2e.main()
-    runs = {r["placement"]: r for r in json.loads(out.read_text())["runs"] if r["gpu"] == "reference"}
+    gpu_e2e.main(["--gpu", "reference", "--shape", "tiny", "--type", "f32", "--model", str(tmp_path / "tiny.gguf"),
+                  "--rounds", "1", "--tokens", "4", "--timed-tokens", "3", "--placements", "plan,layers",
+                  "--threads", "1", "--out", str(out)])
+    runs = {k: r for k, r in json.loads(out.read_text())["runs"].items() if r["gpu"] == "reference"}
     assert set(runs) == {"plan", "layers"} and not [r for r in runs.values() if r.get("error")]
-    assert all(r["tokens_equal_cpu"] for r in runs.values())
+    assert all(r["tokens_equal_cpu_path"] for r in runs.values())
     assert {"gpu_compute_ms", "gpu_copy_ms"} <= set(runs["layers"]["timed"])

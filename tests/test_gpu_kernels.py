@@ -307,7 +307,8 @@ def test_ffn_over_the_device_selection(dev, ref, ty):
         for T, thr in ((1, 0.7), (3, 2.0), (3, 0.7), (3, -1.0), (9, 0.7)):  # thr: ~30% per token; none; all
             x = rng.standard_normal((T, d)).astype(np.float32)
             scores = rng.random((T, n_ff)).astype(np.float32)
-            got, want = on_both(dev, ref, lambda D, x=x, s=scores, t=thr: _ffn_whole(D, case, ty, act, d, x, s, t))
+            got, want = on_both(dev, ref, lambda D, x=x, s=scores, t=thr, c=case, a=act:
+                                _ffn_whole(D, c, ty, a, d, x, s, t))
             assert rel_err(got, want, np.abs(want).max()) < TOL, (act, T, thr)
 
 

@@ -34,7 +34,8 @@ def test_replayed_steps_equal_the_eager_steps_and_the_cpu(relu_pwri, seed):  # n
     """Random placements (host and device attention, the predictor on either side, odd seeds: layers with no GPU
     neuron or all of them, the head on the GPU): every decode step after the second replays its layers' graphs, and
     the logits equal the eager path's exactly (the same kernels; attention's fixed grid sums the same chunks; one
-    block per column unit of sparse_down, whose blocks' atomics otherwise meet in any order) and the CPU's. Plant: the captured attention given no device position (it replays the captured step's position): fails.
+    block per column unit of sparse_down, whose blocks' atomics otherwise meet in any order) and the CPU's. Plant:
+    the captured attention given no device position (it replays the captured step's position): fails.
     (A grid sized by the capture's position is caught by test_attention_reads_the_position_from_the_device: here
     every position lies in attention's first chunk.)"""
     path, cfg = relu_pwri

@@ -39,7 +39,8 @@ def plan(*args):
 # A slow CPU and small fixed GPU costs (as test_plan_helpers.fast_hw): with a datasheet GPU's launch and sync costs,
 # a tiny model runs fastest wholly on the CPU and a plan places no neuron at all.
 FAST_HW = ("[cpu]\ncores = 4\nmem_bw_gbs = 2\nhost_ram_gib = 64\nop_us = 0.01\ntoken_us = 0\n"
-           "[pcie]\nlatency_us = 0.05\n[engine]\ngpu_launch_us = 0.01\nsync_us = 0.05\n")
+           "[pcie]\nlatency_us = 0.05\n[engine]\ngpu_launch_us = 0.01\nsync_us = 0.05\n"
+           "[host]\nsplit_layer_us = 0.03\ncall_us = 0.001\n")
 
 
 def split_budget(model: Path, share: float = 0.5) -> str:

@@ -150,13 +150,13 @@ def test_cache_root(tmp_path, monkeypatch):
 
 def test_hybrid_calibration_recovers_the_machine(tmp_path):
     """calibrate_hybrid on runs 'measured' on a known machine (the cost model with other constants): it finds the
-    CPU's bandwidth from the CPU-only run and a split layer's cost from the split run, and then predicts the runs it
-    was not fitted on exactly."""
+    CPU's bandwidth from the CPU-only run and the host's time per split layer from the split run, and then predicts
+    the runs it was not fitted on exactly; its --hw lines give that machine back."""
     from dataclasses import replace
 
     from pinfer_llm.formats.reader import open_gguf
     from pinfer_llm.planner.baselines import cpu_plan, layers_plan, powerinfer_plan
-    from pinfer_llm.planner.calibration import calibrate_hybrid
+    from pinfer_llm.planner.calibration import DeviceFit, calibrate_hybrid
     from pinfer_llm.planner.costmodel import costs, evaluate
     from pinfer_llm.planner.memory import account
     from pinfer_llm.planner.plan import Plan
@@ -168,15 +168,75 @@ def test_hybrid_calibration_recovers_the_machine(tmp_path):
     p = build_problem(path, fast_hw([gpu(budget_bytes=total // 2, model=path)]))
     L, n_ff = p.model.n_layer, p.model.n_ff
     split = Plan("split", np.ones(L), np.ones(L), np.ones(L), [n // 3 for n in n_ff], 1)
-    machine_hw = replace(p.hw, cpu=replace(p.hw.cpu, mem_bw_gbs=0.7, bw_efficiency=1.0), sync_us=400.0)
+    device = DeviceFit(0.5, {"q4_0": 0.2}, {"q4_0": 0.05})
+    machine_hw = replace(p.hw, cpu=replace(p.hw.cpu, mem_bw_gbs=0.7, bw_efficiency=1.0), host_split_layer_us=400.0,
+                         gpu_launch_us=0.5, gpu_dense_efficiency=p.hw.gpu_dense_efficiency | {"q4_0": 0.2},
+                         gpu_sparse_efficiency=p.hw.gpu_sparse_efficiency | {"q4_0": 0.05})
     truth = replace(p, hw=machine_hw, costs=costs(p.model, machine_hw))
     plans = {"cpu": cpu_plan(p), "plan": split, "layers": layers_plan(p), "powerinfer": powerinfer_plan(p)}
     runs = {k: (plan, evaluate(truth, plan).time) for k, plan in plans.items()}
     assert evaluate(p, split).tokens_per_s > 1.5 / runs["plan"][1]  # the planner's defaults are far off here
 
-    fit = calibrate_hybrid(p, runs)
-    assert fit.cpu_bw_gbs == pytest.approx(0.7, rel=1e-6) and fit.sync_us == pytest.approx(400.0, rel=1e-6)
+    fit = calibrate_hybrid(p, runs, device=device)
+    assert fit.cpu_bw_gbs == pytest.approx(0.7, rel=1e-6) and fit.host_split_layer_us == pytest.approx(400.0, rel=1e-6)
     assert fit.fitted_on == ["cpu", "plan"]
     assert all(abs(e) < 1e-6 for e in fit.errors().values()), fit.errors()
+    assert fit.errors_before()["plan"] > 0.5  # before: the defaults
+    hw_file = tmp_path / "fitted.toml"
+    hw_file.write_text(fit.hw_lines() + "[[gpu]]\nname = 'g'\nvram_gib = 80\nmem_bw_gbs = 800\npcie_gen = 4\n"
+                       "pcie_lanes = 16\nfp16_tflops = 50\n")
+    again = resolve_hardware(None, hw_file=hw_file)
+    assert again.host_split_layer_us == pytest.approx(400.0, abs=0.1) and again.gpu_launch_us == 0.5
+    assert again.gpu_efficiency("Q4_0", sparse=True) == 0.05 and again.cpu.mem_bw_gbs == pytest.approx(0.7)
     with pytest.raises(ValueError, match="no split layer"):
         calibrate_hybrid(p, runs, split_run="cpu")
+
+
+def test_hybrid_calibration_fits_fixed_costs_a_run_beats(tmp_path):
+    """A CPU-only run faster than the planner's operator and token costs alone (the fused decode step's machine:
+    fixed costs a quarter of the defaults, at the planner's bandwidth): the fit scales both fixed costs down at that
+    bandwidth instead of failing, predicts the CPU run exactly, and its --hw lines carry them. Plant: the old
+    ValueError ('nothing left to fit a bandwidth to') kept: fails."""
+    from dataclasses import replace
+
+    from pinfer_llm.formats.reader import open_gguf
+    from pinfer_llm.planner.baselines import cpu_plan
+    from pinfer_llm.planner.calibration import calibrate_hybrid
+    from pinfer_llm.planner.costmodel import costs, evaluate
+    from pinfer_llm.planner.memory import account
+    from pinfer_llm.planner.plan import Plan
+    from pinfer_llm.planner.problem import build_problem
+    from tests.test_plan_helpers import fast_hw, gpu, tiny_model
+
+    path = tiny_model(tmp_path / "m.gguf", n_layer=6, n_ff=96)
+    total = account(open_gguf(path)).total
+    p = build_problem(path, fast_hw([gpu(budget_bytes=total // 2, model=path)]))
+    c = p.hw.cpu
+    c = replace(c, op_us=max(c.op_us, 2.0), token_us=max(c.token_us, 50.0))
+    p = replace(p, hw=replace(p.hw, cpu=c), costs=costs(p.model, replace(p.hw, cpu=c)))
+    L, n_ff = p.model.n_layer, p.model.n_ff
+    machine_hw = replace(p.hw, cpu=replace(c, op_us=c.op_us / 4, token_us=c.token_us / 4), host_split_layer_us=300.0)
+    truth = replace(p, hw=machine_hw, costs=costs(p.model, machine_hw))
+    plans = {"cpu": cpu_plan(p), "plan": Plan("split", np.ones(L), np.ones(L), np.ones(L), [n // 3 for n in n_ff], 1)}
+    runs = {k: (plan, evaluate(truth, plan).time) for k, plan in plans.items()}
+    assert evaluate(replace(p, costs=costs(p.model, replace(p.hw, cpu=replace(c, mem_bw_gbs=1e5)))),
+                    plans["cpu"]).time > runs["cpu"][1]  # the defaults' fixed costs alone outlast the run
+    fit = calibrate_hybrid(p, runs)
+    assert fit.cpu_fixed_us == pytest.approx((c.op_us / 4, c.token_us / 4), rel=1e-3)
+    assert fit.errors()["cpu"] == pytest.approx(0, abs=1e-6)
+    assert "op_us = " in fit.hw_lines() and "token_us = " in fit.hw_lines()
+
+
+def test_device_constants_from_timed_kernels():
+    """fit_device: the latency from a kernel that moves nothing, each type's efficiency from its bytes over its time
+    less that latency, the sparse one over up and down together."""
+    from pinfer_llm.planner.calibration import fit_device
+
+    recs = [{"kernel": "latency", "type": "f32", "us": 2.0, "touched_bytes": 0},
+            {"kernel": "latency", "type": "f32", "us": 4.0, "touched_bytes": 0},
+            {"kernel": "gemv", "type": "F16", "us": 13.0, "touched_bytes": 10e6},  # 10 MB in 10 us: 1 TB/s
+            {"kernel": "sparse_up", "type": "q4_0", "us": 8.0, "touched_bytes": 2e6},
+            {"kernel": "sparse_down", "type": "q4_0", "us": 4.0, "touched_bytes": 1e6}]  # 3 MB in 6 us
+    d = fit_device(recs, datasheet_gbs=2000)
+    assert d.gpu_launch_us == 3.0
+    assert d.dense == {"f16": 0.5} and d.sparse == {"q4_0": 0.25}

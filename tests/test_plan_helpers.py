@@ -93,7 +93,8 @@ def workspace_bytes(model: Path) -> int:
 
 def fast_hw(gpus, **kw) -> Hardware:
     """Hardware with small fixed costs, so that tiny models have interesting trade-offs."""
-    defaults = dict(pcie_latency_us=0.05, gpu_launch_us=0.01, sync_us=0.05)
+    defaults = dict(pcie_latency_us=0.05, gpu_launch_us=0.01, sync_us=0.05, host_split_layer_us=0.03,
+                    host_call_us=0.001)
     defaults.update(kw)
     return Hardware(cpu(op_us=0.01, token_us=0.0, bw=2.0), list(gpus), **defaults)
 

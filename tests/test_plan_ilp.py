@@ -179,9 +179,14 @@ def test_evaluate_matches_hand_computation(tmp_path):
     pre = p.prefix[l]
     gpu_part = c.ffn_dispatch[1] + k * c.dense[l, 1] + pre[k] * c.sparse[l, 1]
     cpu_part = c.ffn_dispatch[0] + (lb.n_ff - k) * c.dense[l, 0] + (pre[-1] - pre[k]) * c.sparse[l, 0]
-    assert ev.layer_time[0] == pytest.approx(c.attn[0, 1] + c.pred[0, 1] + max(gpu_part, cpu_part) + c.sync[0, 1])
-    # layer 1: dense parts on the CPU, all neurons on the GPU: split; layer 2 all CPU: not split
+    # the CPU's half starts after the host's work for the layer
+    assert ev.layer_time[0] == pytest.approx(c.attn[0, 1] + c.pred[0, 1] + max(gpu_part, c.host[0, 1] + cpu_part)
+                                             + c.sync[0, 1])
+    # layer 1: dense parts on the CPU, all neurons on the GPU: split, the host's work in series; layer 2 all CPU
     assert list(ev.split) == [True, True, False]
+    gpu_all = c.ffn_dispatch[1] + m.layers[1].n_ff * c.dense[1, 1] + p.prefix[1][-1] * c.sparse[1, 1]
+    assert ev.layer_time[1] == pytest.approx(c.attn[1, 0] + c.pred[1, 0] + gpu_all + c.sync[1, 1] + c.host[1, 1])
+    assert c.host[0, 1] > 0
     assert ev.vram[0] == (m.layers[0].attn + m.layers[0].kv + m.layers[0].pred + int(lb.neuron_bytes(5))
                           + m.layers[1].ffn + m.gpu_workspace)
 
@@ -271,6 +276,7 @@ def test_sigterm_stops_the_solver_and_cleans_up(tmp_path):
     hw = tmp_path / "hw.toml"
     hw.write_text("[cpu]\ncores = 8\nmem_bw_gbs = 2\nhost_ram_gib = 64\nop_us = 0.01\ntoken_us = 0\n"
                   "[pcie]\nlatency_us = 0.05\n[engine]\ngpu_launch_us = 0.01\nsync_us = 0.05\n"
+           "[host]\nsplit_layer_us = 0.03\ncall_us = 0.001\n"
                   + "".join(f"[[gpu]]\nname = 'g{i}'\nvram_gib = 80\nmem_bw_gbs = 800\npcie_gen = 4\n"
                             f"pcie_lanes = 16\nfp16_tflops = 50\nvram_budget_gib = {(ws + total / d) / (1 << 30)}\n"
                             for i, d in ((1, 2), (2, 4))))

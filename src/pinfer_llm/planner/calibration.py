@@ -10,9 +10,11 @@ by non-negative least squares. machine.py stores a calibration in the cache unde
 machine.resolve_hardware applies it whenever it plans for this machine's own, undetailed CPU.
 benchmarks/plan_calibration.py measures and fits.
 
-On a machine with a GPU, `calibrate_hybrid` fits the two constants the hybrid executor's measurements pin down (the
-CPU's effective bandwidth on pi-run's threads, and what a split layer costs beyond its parts) from a CPU-only run and
-a run with split layers, and predicts the other runs out of sample; benchmarks/gpu_e2e.py (make gpu-check) runs it.
+On a machine with a GPU, `fit_device` turns the kernels' measured times (benchmarks/gpu_check.py) into the GPU's
+constants (efficiency per weight type for dense and sparse kernels, latency per kernel), and `calibrate_hybrid` fits
+the two the hybrid executor's runs pin down (the CPU's effective bandwidth on pi-run's threads, from a CPU-only run,
+and the host thread's time per split layer, from a run with split layers), then predicts the other runs out of
+sample; `HybridFit.hw_lines` writes all of them as a `--hw` file. make gpu-check runs both.
 """
 
 from __future__ import annotations
@@ -92,56 +94,161 @@ def calibrate(cpu_key: str, measured_bw_gbs: float, samples: list[Sample]) -> Ca
 
 
 @dataclass
+class DeviceFit:
+    """The GPU's constants from timed kernels: efficiency per weight type (share of the datasheet bandwidth) for the
+    matrix-vector and the sparse FFN kernels, and the fixed latency per kernel; `kernels` says what each came from."""
+
+    gpu_launch_us: float | None
+    dense: dict[str, float]
+    sparse: dict[str, float]
+    kernels: dict[str, str] = field(default_factory=dict)
+
+
+def fit_device(records: list[dict], datasheet_gbs: float) -> DeviceFit:
+    """records: {"kernel": "gemv" | "sparse_up" | "sparse_down" | "latency", "type": "f16", "us": time per call,
+    "touched_bytes": bytes read and written} for one-token calls. The latency is the median of the "latency"
+    records (a kernel that moves almost nothing); each type's efficiency is its bytes over its time less that
+    latency, against the datasheet, the sparse one over the up and down kernels together (the FFN's two launches)."""
+    lat = [r["us"] for r in records if r["kernel"] == "latency"]
+    launch = float(np.median(lat)) if lat else None
+    base = launch or 0.0
+    dense, sparse, src = {}, {}, {}
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        if r["kernel"] != "latency" and r.get("us", 0) > 0:
+            by.setdefault(("sparse" if r["kernel"].startswith("sparse") else "dense", r["type"].lower()), []).append(r)
+    for (kind, ty), rs in sorted(by.items()):
+        nbytes = sum(r["touched_bytes"] for r in rs)
+        secs = sum(max(r["us"] - base, 0.05 * r["us"]) for r in rs) * 1e-6  # a kernel is never all latency
+        eff = min(max(nbytes / secs / (datasheet_gbs * 1e9), 1e-6), 1.0)  # (0, 1], as a machine file takes it
+        (sparse if kind == "sparse" else dense)[ty] = float(f"{eff:.3g}")
+        src[f"{kind} {ty}"] = " + ".join(f"{r['kernel']} {r['us']:.1f} us" for r in rs)
+    return DeviceFit(launch, dense, sparse, src)
+
+
+@dataclass
 class HybridFit:
-    """The cost model's two unknowns on a GPU machine, each fitted from the one run it dominates:
-    cpu_bw_gbs, the CPU's effective bandwidth on pi-run's threads (from a run with nothing on the GPU), and sync_us,
-    what a split layer costs beyond its parts (copies, waits, the host's launches; from a run with split layers).
-    predicted / measured: tokens/s per run with both constants; fitted_on: the runs the constants came from (the
-    others are predictions out of sample)."""
+    """The cost model's constants on a GPU machine, the two that runs pin down each fitted from the one run it
+    dominates: cpu_bw_gbs, the CPU's effective bandwidth on pi-run's threads (from a run with nothing on the GPU),
+    and host_split_layer_us, the host thread's time per split layer beyond its CuPy calls (from a run with split
+    layers); `device` the GPU's constants from the kernels (None: the machine file's). predicted / measured: tokens/s
+    per run with all of them; before: the prediction with the constants the planner had; fitted_on: the runs the
+    constants came from (the others are predictions out of sample)."""
 
     cpu_bw_gbs: float
-    sync_us: float
+    host_split_layer_us: float
     predicted: dict[str, float]
     measured: dict[str, float]
     fitted_on: list[str]
+    before: dict[str, float] = field(default_factory=dict)
+    device: DeviceFit | None = None
+    # The CPU's operator and token costs (op_us, token_us) as fitted: None where they kept the machine's values
+    cpu_fixed_us: tuple[float, float] | None = None
 
     def errors(self) -> dict[str, float]:
         """Relative error of each prediction: predicted / measured - 1."""
         return {k: self.predicted[k] / self.measured[k] - 1 for k in self.measured}
 
+    def errors_before(self) -> dict[str, float]:
+        return {k: self.before[k] / self.measured[k] - 1 for k in self.measured if k in self.before}
 
-def calibrate_hybrid(problem, runs: dict, cpu_run: str = "cpu", split_run: str = "plan") -> HybridFit:
+    def hw_lines(self) -> str:
+        """The fitted constants as a `pi-plan --hw` file (TOML)."""
+        lines = ["[cpu]", f"mem_bw_gbs = {self.cpu_bw_gbs:.2f}", "bw_efficiency = 1.0"]
+        if self.cpu_fixed_us is not None:
+            lines += [f"op_us = {self.cpu_fixed_us[0]:.3f}", f"token_us = {self.cpu_fixed_us[1]:.2f}"]
+        d = self.device
+        if d is not None and (d.gpu_launch_us is not None or d.dense or d.sparse):
+            lines.append("[engine]")
+            if d.gpu_launch_us is not None:
+                lines.append(f"gpu_launch_us = {d.gpu_launch_us:.2f}")
+            for key, table in (("gpu_dense_efficiency", d.dense), ("gpu_sparse_efficiency", d.sparse)):
+                if table:
+                    lines.append(f"{key} = {{ " + ", ".join(f"{k} = {v:.3g}" for k, v in table.items()) + " }")
+        lines += ["[host]", f"split_layer_us = {self.host_split_layer_us:.1f}"]
+        return "\n".join(lines) + "\n"
+
+
+def with_device(hw, device: DeviceFit | None):
+    """hw with the GPU constants of `device` in place (types it did not measure keep theirs)."""
+    from dataclasses import replace
+
+    if device is None:
+        return hw
+    kw = {"gpu_dense_efficiency": hw.gpu_dense_efficiency | device.dense,
+          "gpu_sparse_efficiency": hw.gpu_sparse_efficiency | device.sparse}
+    if device.gpu_launch_us is not None:
+        kw["gpu_launch_us"] = device.gpu_launch_us
+    return replace(hw, **kw)
+
+
+def calibrate_hybrid(problem, runs: dict, cpu_run: str = "cpu", split_run: str = "plan",
+                     device: DeviceFit | None = None) -> HybridFit:
     """Fit HybridFit's constants to measured runs. runs: label -> (planner.plan.Plan, measured seconds per token);
-    `cpu_run` must keep everything on the CPU, `split_run` must have a split layer. The CPU's operator and token
-    costs keep their values (one run cannot separate them from its bandwidth). Raises ValueError when the runs cannot
-    pin a constant down."""
+    `cpu_run` must keep everything on the CPU, `split_run` must have a split layer whose time depends on the host.
+    The CPU's operator and token costs keep their values (one run cannot separate them from its bandwidth) unless
+    the CPU-only run beat them alone; then they are scaled down together at the machine's bandwidth (cpu_fixed_us).
+    The host's CuPy calls keep theirs (the fit is the rest of its time). Raises ValueError when the runs cannot pin a
+    constant down."""
     from dataclasses import replace
 
     from pinfer_llm.planner.costmodel import costs, evaluate
 
-    def solved(bw_gbs: float, sync_us: float):
-        h = replace(problem.hw, cpu=replace(problem.hw.cpu, mem_bw_gbs=bw_gbs, bw_efficiency=1.0), sync_us=sync_us)
+    hw0 = with_device(problem.hw, device)
+
+    def solved(bw_gbs: float, split_us: float, fixed_scale: float = 1.0):
+        c = hw0.cpu
+        cpu = replace(c, mem_bw_gbs=bw_gbs, bw_efficiency=1.0, op_us=c.op_us * fixed_scale,
+                      token_us=c.token_us * fixed_scale)
+        h = replace(hw0, cpu=cpu, host_split_layer_us=split_us)
         return replace(problem, hw=h, costs=costs(problem.model, h))
 
-    # The bandwidth at which the cost model's time of the CPU-only run is the measured one (it falls as the
-    # bandwidth grows; bisection, since the embedding read and compute-bound parts make it not quite 1/bandwidth).
-    plan, seconds = runs[cpu_run]
-    lo, hi = 1e-3, 1e5  # GB/s
-    if evaluate(solved(hi, 0.0), plan).time >= seconds:
-        raise ValueError(f"run '{cpu_run}' took {seconds * 1e3:.2f} ms per token, no more than the CPU's operator "
-                         f"and token costs alone: nothing left to fit a bandwidth to")
-    for _ in range(100):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if evaluate(solved(mid, 0.0), plan).time > seconds else (lo, mid)
-    bw = (lo * hi) ** 0.5
+    def bisect(f, lo: float, hi: float, target: float, geometric: bool) -> float:
+        """x in [lo, hi] with f(x) = target, f monotone (decreasing when geometric: bandwidth; else increasing)."""
+        for _ in range(60):
+            mid = (lo * hi) ** 0.5 if geometric else (lo + hi) / 2
+            above = f(mid) > target
+            lo, hi = (mid, hi) if above == geometric else (lo, mid)
+        return (lo * hi) ** 0.5 if geometric else (lo + hi) / 2
 
+    # The bandwidth at which the cost model's time of the CPU-only run is the measured one (it falls as the
+    # bandwidth grows, not quite as 1/bandwidth: the embedding read and compute-bound parts).
+    plan, seconds = runs[cpu_run]
+    split_us0 = hw0.host_split_layer_us
+    fixed = None
+    if evaluate(solved(1e5, split_us0), plan).time >= seconds:
+        # The run beat the CPU's operator and token costs alone (they date from a runtime with Python per operator;
+        # the fused decode step calls C++ once per layer): hold the bandwidth at the machine's and fit the fixed
+        # costs as one scale of both instead, or, where even no fixed cost is too slow at that bandwidth, fit the
+        # bandwidth with none.
+        bw0 = hw0.cpu.mem_bw_gbs * hw0.cpu.bw_efficiency
+
+        def scaled(f: float) -> float:
+            return evaluate(solved(bw0, split_us0, f), plan).time
+
+        f = bisect(scaled, 0.0, 1.0, seconds, geometric=False) if scaled(0.0) < seconds else 0.0
+        fixed = (hw0.cpu.op_us * f, hw0.cpu.token_us * f)
+        hw0 = replace(hw0, cpu=replace(hw0.cpu, op_us=fixed[0], token_us=fixed[1]))
+        if evaluate(solved(1e5, split_us0), plan).time >= seconds:
+            raise ValueError(f"run '{cpu_run}' took {seconds * 1e3:.3f} ms per token, less than its bytes at any "
+                             f"bandwidth: nothing to fit")
+    bw = bisect(lambda b: evaluate(solved(b, split_us0), plan).time, 1e-3, 1e5, seconds, geometric=True)
+
+    # The host's time per split layer at which the split run's time is the measured one: the time grows with it
+    # (in series, or past the point where the CPU's half with the host outlasts the GPU's half).
     plan, seconds = runs[split_run]
-    ev = evaluate(solved(bw, 0.0), plan)  # the time is linear in sync_us: n_split of them
-    n_split = int(ev.split.sum())
-    if n_split == 0:
+    if not evaluate(solved(bw, 0.0), plan).split.any():
         raise ValueError(f"run '{split_run}' has no split layer: it cannot tell what a split layer costs")
-    sync_us = max(0.0, (seconds - ev.time) / n_split * 1e6)
-    fitted = solved(bw, sync_us)
+    t0, t1 = evaluate(solved(bw, 0.0), plan).time, evaluate(solved(bw, 1e5), plan).time
+    if t1 <= t0:
+        raise ValueError(f"run '{split_run}': no split layer waits on the host, so its time cannot tell the host's")
+    if seconds <= t0:
+        split_us = 0.0
+    else:
+        split_us = bisect(lambda u: evaluate(solved(bw, u), plan).time, 0.0, 1e5, seconds, geometric=False)
+    fitted = solved(bw, split_us)
+    before = replace(problem, hw=problem.hw, costs=costs(problem.model, problem.hw))
     predicted = {k: evaluate(fitted, p).tokens_per_s for k, (p, _) in runs.items()}
     measured = {k: 1.0 / s for k, (_, s) in runs.items()}
-    return HybridFit(bw, sync_us, predicted, measured, [cpu_run, split_run])
+    prior = {k: evaluate(before, p).tokens_per_s for k, (p, _) in runs.items()}
+    return HybridFit(bw, split_us, predicted, measured, [cpu_run, split_run], prior, device, fixed)

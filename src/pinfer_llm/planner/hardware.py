@@ -21,10 +21,17 @@ A `--hw` file (every section and key optional; unknown keys are errors, so typos
     bw_gbs = 25.0              # effective host<->device bandwidth; default from each GPU's generation and lanes
     latency_us = 10.0          # one small transfer, end to end
 
-    [engine]
-    gpu_launch_us = 3.0        # per kernel launch
-    gpu_bw_efficiency = 0.8    # share of the datasheet bandwidth a matrix-vector kernel reaches
-    sync_us = 10.0             # fixed cost of joining the CPU and GPU halves of a split layer
+    [engine]                   # the GPU's kernels
+    gpu_launch_us = 3.0        # fixed latency of one kernel on the device (launch to first byte, tail)
+    gpu_bw_efficiency = 0.8    # share of the datasheet bandwidth a kernel reaches, for types not listed below
+    gpu_dense_efficiency = { f16 = 0.87, q8_0 = 0.45, q4_0 = 0.30 }    # matrix-vector kernels, per weight type
+    gpu_sparse_efficiency = { f16 = 0.39, q8_0 = 0.23, q4_0 = 0.12 }   # the sparse FFN's gathered rows
+    sync_us = 10.0             # fixed cost of joining the CPU and GPU halves of a split layer (event wait)
+
+    [host]                     # the one thread that queues the GPU's work and then computes the CPU's neurons
+    split_layer_us = 84.3      # pinfer's Python per split layer and decode step (executor, device wrappers, staging)
+    call_us = 5.0              # one CuPy driver call (launch, copy, event) on the host thread
+    calls_per_split_layer = 20 # driver calls per split layer and decode step
 
     [[gpu]]                    # repeat for several GPUs in one host
     name = "rtx4090"           # a table name; the keys below override the table
@@ -36,6 +43,10 @@ A `--hw` file (every section and key optional; unknown keys are errors, so typos
     pcie_gen = 4
     pcie_lanes = 16
     fp16_tflops = 91
+
+A `--hw` file may also be the JSON that `benchmarks/hybrid_overhead.py --json` prints (the file name ends in .json):
+its with_cuda_wrappers_us_per_layer becomes [host] split_layer_us and its cupy_calls_per_split_layer, where present,
+calls_per_split_layer; everything else stays as the table, detection and flags give it.
 """
 
 from __future__ import annotations
@@ -100,18 +111,61 @@ class CPU:
         return f"{self.name}|{self.cores}"
 
 
+# The GPU's kernel efficiencies by weight type, as shares of the datasheet bandwidth, from the one H200 run
+# (2026-11-30, docs/gpu.md: copy 4.25 TB/s = 0.885 of the 4.8 datasheet; per kernel at 13824 x 5120, one token, the
+# share of copy bandwidth with GPU_KERNEL_US taken off its time): dense GEMV F16 90%, Q8_0 47%, Q4_0 31%; the sparse
+# FFN at 10% active (gate+up 19 us, down 9.6 us at F16) F16 35%, Q8_0 20%, Q4_0 11%. `make gpu-check` refits them.
+# Types it did not measure take the value of the kernel they share a layout with (GPU_TYPE_LIKE).
+GPU_KERNEL_US = 3.0
+GPU_DENSE_EFFICIENCY = {"f16": 0.87, "q8_0": 0.45, "q4_0": 0.30}
+GPU_SPARSE_EFFICIENCY = {"f16": 0.39, "q8_0": 0.23, "q4_0": 0.12}
+GPU_TYPE_LIKE = {"bf16": "f16", "f32": "f16", "q4_1": "q4_0", "q4_k": "q4_0", "q5_0": "q8_0", "q5_1": "q8_0",
+                 "q5_k": "q8_0", "q6_k": "q8_0"}  # Q4_K runs as Q4_1, Q5_*/Q6_K as Q8_0 (memory.RUN_AS)
+# The host thread per split layer and decode step. HOST_SPLIT_LAYER_US: pinfer's own Python around the device calls
+# (executor, CudaDevice's wrappers, staging): `python benchmarks/hybrid_overhead.py --json --steps 400`,
+# with_cuda_wrappers_us_per_layer, the median of 3 runs (83.0, 84.3, 93.8) on 2026-12-03, Intel Xeon (Sapphire
+# Rapids), 2 cores, load average 0.2-0.3 (idle; 162.7-335.0 with the cores shared at load 7-12, 155.1 on an AVX2
+# EPYC after 2026-12-02); to refresh once helper graph's one launch per layer lands. HOST_CALL_US: CuPy's own cost
+# per driver call from Python, an estimate (5-10 us; not measured: no GPU here). HOST_CALLS_PER_SPLIT_LAYER: 12
+# launches, 2 copies, an event and its wait, ~4 allocations (issue #25). `make gpu-check` refits the host's time on
+# the device's host.
+HOST_SPLIT_LAYER_US = 84.3
+HOST_CALL_US = 5.0
+HOST_CALLS_PER_SPLIT_LAYER = 20
+
+
 @dataclass
 class Hardware:
     cpu: CPU
     gpus: list[GPU] = field(default_factory=list)
     pcie_bw_gbs: float | None = None  # overrides every GPU's link
     pcie_latency_us: float = 10.0
-    gpu_launch_us: float = 3.0
-    gpu_bw_efficiency: float = 0.8
+    gpu_launch_us: float = GPU_KERNEL_US  # fixed latency of one kernel on the device
+    gpu_bw_efficiency: float = 0.8  # types in neither table below
+    gpu_dense_efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_DENSE_EFFICIENCY))
+    gpu_sparse_efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_SPARSE_EFFICIENCY))
     sync_us: float = 10.0
+    host_split_layer_us: float = HOST_SPLIT_LAYER_US
+    host_call_us: float = HOST_CALL_US
+    host_calls_per_split_layer: float = HOST_CALLS_PER_SPLIT_LAYER
 
     def pcie_gbs(self, gpu: GPU) -> float:
         return self.pcie_bw_gbs if self.pcie_bw_gbs is not None else gpu.pcie_gbs
+
+    def gpu_efficiency(self, type_name: str, sparse: bool = False) -> float:
+        """Share of a GPU's datasheet bandwidth the kernels reach on weights of `type_name` (a ggml type name, any
+        case): the sparse FFN's gathered rows, or a matrix-vector kernel."""
+        table = self.gpu_sparse_efficiency if sparse else self.gpu_dense_efficiency
+        key = type_name.lower()
+        for k in (key, GPU_TYPE_LIKE.get(key)):
+            if k in table:
+                return table[k]
+        return self.gpu_bw_efficiency
+
+    @property
+    def host_split_us(self) -> float:
+        """The host thread's time per split layer and decode step, before the CPU's neurons can start."""
+        return self.host_split_layer_us + self.host_calls_per_split_layer * self.host_call_us
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -185,10 +239,16 @@ def measure_cpu_bandwidth(cores: int, mib: int = 256, repeats: int = 5) -> float
 _CPU_KEYS = {"name": str, "cores": int, "mem_bw_gbs": float, "host_ram_gib": float, "bw_efficiency": float,
              "gflops_per_core": float, "op_us": float, "token_us": float}
 _PCIE_KEYS = {"bw_gbs": float, "latency_us": float}
-_ENGINE_KEYS = {"gpu_launch_us": float, "gpu_bw_efficiency": float, "sync_us": float}
+_ENGINE_KEYS = {"gpu_launch_us": float, "gpu_bw_efficiency": float, "gpu_dense_efficiency": dict,
+                "gpu_sparse_efficiency": dict, "sync_us": float}
+_HOST_KEYS = {"split_layer_us": float, "call_us": float, "calls_per_split_layer": float}
+_ZERO_OK_HOST = {"split_layer_us", "call_us", "calls_per_split_layer"}
+# hybrid_overhead.py --json key -> [host] key
+OVERHEAD_JSON_KEYS = {"with_cuda_wrappers_us_per_layer": "split_layer_us",
+                      "cupy_calls_per_split_layer": "calls_per_split_layer"}
 _GPU_KEYS = {"name": str, "vram_gib": float, "mem_bw_gbs": float, "pcie_gen": int, "pcie_lanes": int,
              "fp16_tflops": float, "vram_budget_gib": float}
-_ZERO_OK = {"op_us", "token_us", "latency_us", "gpu_launch_us", "sync_us"}
+_ZERO_OK = {"op_us", "token_us", "latency_us", "gpu_launch_us", "sync_us"} | _ZERO_OK_HOST
 
 
 def _checked(path: Path, section: str, table, schema: dict) -> dict:
@@ -199,6 +259,17 @@ def _checked(path: Path, section: str, table, schema: dict) -> dict:
         if key not in schema:
             raise PinferError(f"{path}: unknown key '{key}' in [{section}] (known: {', '.join(schema)})")
         want = schema[key]
+        if want is dict:  # efficiency by weight type: { f16 = 0.87, q4_0 = 0.30 }
+            if not isinstance(value, dict) or not value:
+                raise PinferError(f"{path}: [{section}] {key} must be a table of weight types, e.g. "
+                                  f"{{ f16 = 0.87, q4_0 = 0.30 }}")
+            out[key] = {}
+            for ty, share in value.items():
+                if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+                    raise PinferError(f"{path}: [{section}] {key}.{ty} is a share of the bandwidth, in (0, 1]; "
+                                      f"got {share!r}")
+                out[key][ty.lower()] = float(share)
+            continue
         if want is str:
             if not isinstance(value, str) or not value:
                 raise PinferError(f"{path}: [{section}] {key} must be a non-empty string")
@@ -214,22 +285,29 @@ def _checked(path: Path, section: str, table, schema: dict) -> dict:
 
 
 def load_hw_file(path: str | os.PathLike) -> dict:
-    """Parse and validate a --hw file into {'cpu': {...}, 'pcie': {...}, 'engine': {...}, 'gpus': [GPU, ...]}."""
+    """Parse and validate a --hw file into {'cpu': {...}, 'pcie': {...}, 'engine': {...}, 'host': {...},
+    'gpus': [GPU, ...]}: a TOML machine file, or the JSON of benchmarks/hybrid_overhead.py --json (host constants)."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise PinferError(f"{path}: no such --hw file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PinferError(f"{path}: cannot read --hw file ({exc})") from None
+    if path.suffix.lower() == ".json":
+        return _overhead_json(path, text)
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PinferError(f"{path}: malformed TOML in --hw file: {exc}") from None
-    unknown = set(raw) - {"cpu", "pcie", "engine", "gpu"}
+    unknown = set(raw) - {"cpu", "pcie", "engine", "host", "gpu"}
     if unknown:
-        raise PinferError(f"{path}: unknown section(s) {', '.join(sorted(unknown))} (known: cpu, pcie, engine, gpu)")
+        raise PinferError(f"{path}: unknown section(s) {', '.join(sorted(unknown))} (known: cpu, pcie, engine, host, "
+                          f"gpu)")
     spec = {"cpu": _checked(path, "cpu", raw.get("cpu", {}), _CPU_KEYS),
             "pcie": _checked(path, "pcie", raw.get("pcie", {}), _PCIE_KEYS),
-            "engine": _checked(path, "engine", raw.get("engine", {}), _ENGINE_KEYS), "gpus": []}
+            "engine": _checked(path, "engine", raw.get("engine", {}), _ENGINE_KEYS),
+            "host": _checked(path, "host", raw.get("host", {}), _HOST_KEYS), "gpus": []}
     if "bw_efficiency" in spec["cpu"] and spec["cpu"]["bw_efficiency"] > 1:
         raise PinferError(f"{path}: [cpu] bw_efficiency is a share of the bandwidth and must be at most 1")
     gpus = raw.get("gpu", [])
@@ -252,3 +330,17 @@ def load_hw_file(path: str | os.PathLike) -> dict:
             raise PinferError(f"{path}: GPU '{g['name']}' pcie_gen must be one of {sorted(PCIE_LANE_GBS)}")
         spec["gpus"].append(GPU(**base))
     return spec
+
+
+def _overhead_json(path: Path, text: str) -> dict:
+    """The host constants from benchmarks/hybrid_overhead.py --json, as a --hw file's [host] section."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise PinferError(f"{path}: malformed JSON in --hw file: {exc}") from None
+    if not isinstance(data, dict) or "with_cuda_wrappers_us_per_layer" not in data:
+        raise PinferError(f"{path}: a JSON --hw file is the output of benchmarks/hybrid_overhead.py --json (it has "
+                          f"with_cuda_wrappers_us_per_layer); machine files are TOML")
+    host = _checked(path, "host", {OVERHEAD_JSON_KEYS[k]: v for k, v in data.items() if k in OVERHEAD_JSON_KEYS},
+                    _HOST_KEYS)
+    return {"cpu": {}, "pcie": {}, "engine": {}, "host": host, "gpus": []}

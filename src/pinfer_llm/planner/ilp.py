@@ -16,10 +16,12 @@ its choices and CBC rarely branches:
     m_split <= P_l(b_k) * split_mode + s_k * (n_split - b_k * split_mode)   for every group boundary b_k, slope s_k
     n_split <= N_l * split_mode
 
-A split layer's FFN takes max(GPU part, CPU part) (ffn_time[l] >= both); the layer pays the sync cost when it uses a
-GPU and the CPU (split[l, g] >= every "uses GPU g" + "uses the CPU" - 1). Memory: sum of parts on GPU g within its
-budget, everything else within host RAM. The paper's C_l enters as n_split >= C_l * (split_mode - attn_on - pred_on)
-(see costmodel.min_gpu_neurons).
+A split layer's FFN takes max(GPU part, host + CPU part): the host thread queues the GPU's work before it computes
+the CPU's neurons. The layer pays the sync cost and the host's time when it uses a GPU and the CPU
+(split[l, g] >= every "uses GPU g" + "uses the CPU" - 1), and ffn_time[l] >= both of GPU part - host and CPU part,
+so a split FFN costs host + max(GPU - host, CPU) = max(GPU, host + CPU), and one whole on a side pays the host in
+series. Memory: sum of parts on GPU g within its budget, everything else within host RAM. The paper's C_l enters
+as n_split >= C_l * (split_mode - attn_on - pred_on) (see costmodel.min_gpu_neurons).
 
 Relaxing m_split below P_l(n_split) gains at most one neuron's worth per layer (a prefix with the same mass, or the
 balance point, does as well with less VRAM, up to rounding to whole neurons), so `_polish` turns the LP's values
@@ -155,7 +157,7 @@ def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads:
     same model with breakpoints spaced geometrically (every group at the hot end, where the prefix-mass curve bends
     most, then COARSE_STEPS per doubling), ~20x fewer rows. Its polished plan is a valid start for the fine model.
     """
-    candidates = [heuristic_plan(p)] + [b.plan for b in baselines.values() if b.time is not None]
+    candidates = [heuristic_plan(p), _blocks_start(p)] + [b.plan for b in baselines.values() if b.time is not None]
     if p.n_gpus == 1 and p.bounds is None and max(len(p.breakpoints(l)) for l in range(p.model.n_layer)) > 64:
         coarse = dataclasses.replace(p, bounds=[_geometric(p.breakpoints(l)) for l in range(p.model.n_layer)])
         with contextlib.suppress(PinferError):
@@ -171,6 +173,46 @@ def _start_plan(p: Problem, solver: str, time_limit: float, gap: float, threads:
         if ev.fits and ev.time < best_time:
             best, best_time = plan, ev.time
     return best
+
+
+def _blocks_start(p: Problem) -> Plan | None:
+    """Several GPUs: contiguous blocks of layers, one per GPU in proportion to its budget, each planned by the
+    single-GPU heuristic; the head considered by the last block only. With the host's time in the split cost the
+    LP relaxation of several GPUs is loose (fractional "uses the CPU" and "uses GPU g" share a split between them),
+    so CBC may not improve on its start within the time limit: this one is far better than the baselines."""
+    J = p.n_gpus
+    if J < 2:
+        return None
+    L = p.model.n_layer
+    edges = np.round(np.cumsum([0] + list(p.budgets)) / max(sum(p.budgets), 1) * L).astype(int)
+    plan = Plan("blocks", *(np.zeros(L, dtype=np.int64) for _ in range(4)), CPU)
+    c = p.costs
+    for g in range(1, J + 1):
+        ls = np.arange(edges[g - 1], edges[g])
+        if len(ls) == 0:
+            continue
+        cols = [CPU, g]
+        last = g == J
+        sub_costs = dataclasses.replace(
+            c, attn=c.attn[ls][:, cols], pred=c.pred[ls][:, cols], dense=c.dense[ls][:, cols],
+            sparse=c.sparse[ls][:, cols], sync=c.sync[ls][:, cols], host=c.host[ls][:, cols],
+            ffn_dispatch=c.ffn_dispatch[cols], output=c.output[cols] if last else np.full(2, c.output[CPU]))
+        model = dataclasses.replace(p.model, layers=[p.model.layers[l] for l in ls], n_layer=len(ls),
+                                    output=p.model.output if last else 0)
+        sub = dataclasses.replace(
+            p, model=model, hw=dataclasses.replace(p.hw, gpus=[p.hw.gpus[g - 1]]), costs=sub_costs,
+            order=[p.order[l] for l in ls], prefix=[p.prefix[l] for l in ls], c_min=p.c_min[ls][:, cols],
+            budgets=[p.budgets[g - 1]], bounds=None if p.bounds is None else [p.bounds[l] for l in ls])
+        h = heuristic_plan(sub)
+        if h is None:
+            return None
+        plan.attn[ls] = np.where(h.attn > 0, g, CPU)
+        plan.pred[ls] = np.where(h.pred > 0, g, CPU)
+        plan.ffn_gpu[ls] = np.where(h.n_gpu > 0, g, CPU)
+        plan.n_gpu[ls] = h.n_gpu
+        if last and h.output:
+            plan.output = g
+    return plan
 
 
 def _geometric(bounds: np.ndarray) -> np.ndarray:
@@ -281,12 +323,14 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
                 on_gpu = attn_on[l, g] + (pred_on[l, g] if l in pred_layers else 0)
                 prob += n_split[l, g] >= c_min * (split_mode[l, g] - on_gpu), f"min_gpu_neurons_{l}_{g}"
 
-    # A split FFN takes as long as the slower of its halves.
+    # A split FFN takes as long as the slower of its halves, and the CPU's half starts after the host thread has
+    # done the layer's GPU work (launches, copies, Python): max(GPU, host + CPU) = host + max(GPU - host, CPU), the
+    # host paid with the split below and taken off the GPU's side here.
     for l in layers:
         cpu_all = c.ffn_dispatch[CPU] + N[l] * c.dense[l, CPU] + M[l] * c.sparse[l, CPU]
         prob += ffn_time[l] >= US * pulp.lpSum(
-            c.ffn_dispatch[g] * split_mode[l, g] + c.dense[l, g] * n_split[l, g] + c.sparse[l, g] * m_split[l, g]
-            for g in gpus), f"ffn_gpu_time_{l}"
+            (c.ffn_dispatch[g] - c.host[l, g]) * split_mode[l, g] + c.dense[l, g] * n_split[l, g]
+            + c.sparse[l, g] * m_split[l, g] for g in gpus), f"ffn_gpu_time_{l}"
         prob += ffn_time[l] >= US * pulp.lpSum(
             cpu_all * split_mode[l, g] - c.dense[l, CPU] * n_split[l, g] - c.sparse[l, CPU] * m_split[l, g]
             for g in gpus), f"ffn_cpu_time_{l}"
@@ -326,7 +370,10 @@ def build_model(p: Problem, objective: str = "time", fixed_dense: Plan | None = 
                          for l in layers)
             + pulp.lpSum((c.ffn_dispatch[g] + N[l] * c.dense[l, g] + M[l] * c.sparse[l, g]) * full[l, g]
                          for l, g in lg)
-            + pulp.lpSum(c.sync[l, g] * split[l, g] for l, g in lg)) + pulp.lpSum(ffn_time[l] for l in layers)
+            # a split layer's transfers and join, and the host thread's work for it (in series where the FFN is
+            # whole on one side; where it is split, ffn_time gives the GPU's half that time back)
+            + pulp.lpSum((c.sync[l, g] + c.host[l, g]) * split[l, g] for l, g in lg)
+        ) + pulp.lpSum(ffn_time[l] for l in layers)
     else:
         prob += pulp.lpSum(m_split[l, g] + M[l] * full[l, g] for l, g in lg)
     return prob, Vars(attn_on, pred_on, out_on, cpu_ffn, full, split_mode, n_split, m_split, ffn_time, split,
@@ -382,7 +429,7 @@ def set_start(p: Problem, v: Vars, plan: Plan) -> None:
             v.m_split[l, g].setInitialValue(mass)
             gpu = c.ffn_dispatch[g] + k * c.dense[l, g] + mass * c.sparse[l, g]
             cpu = c.ffn_dispatch[CPU] + (N - k) * c.dense[l, CPU] + (p.prefix[l][-1] - mass) * c.sparse[l, CPU]
-            v.ffn_time[l].setInitialValue(US * max(gpu, cpu))
+            v.ffn_time[l].setInitialValue(US * max(gpu - c.host[l, g], cpu))
             used |= {g, CPU}
         for h in range(1, J + 1):
             if h in used and CPU in used:
@@ -595,6 +642,11 @@ def _polish(p: Problem, v: Vars, objective: str) -> Plan:
                 ffn_gpu[l] = g
                 n_gpu[l] = min(int(math.floor(_val(v.n_split[l, g]) + 1e-6)), m.layers[l].n_ff)
                 split_layers.append(l)
+        if n_gpu[l] == 0 and max(attn[l], pred[l]) > 0:
+            # FFN on the CPU beside GPU parts: already split, so neurons the rounding leaves room for cost no host
+            # time or sync of their own (the ILP's groups may be too coarse to have placed a few)
+            ffn_gpu[l] = max(attn[l], pred[l])
+            split_layers.append(l)
     plan = _repair(p, Plan("ilp" if objective == "time" else "ilp-hot-mass", attn, pred, ffn_gpu, n_gpu, out))
     for l in split_layers:
         g = int(plan.ffn_gpu[l]) or int(ffn_gpu[l])

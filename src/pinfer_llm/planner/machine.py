@@ -119,7 +119,7 @@ def resolve_hardware(gpus: list[str] | None = None, *, vram_budget_gib: float | 
                      host_ram: float | None = None, hw_file: str | os.PathLike | None = None,
                      calibration: bool = True) -> Hardware:
     """Hardware from the table, an optional --hw file and flags (in that order of precedence)."""
-    spec = load_hw_file(hw_file) if hw_file else {"cpu": {}, "pcie": {}, "engine": {}, "gpus": []}
+    spec = load_hw_file(hw_file) if hw_file else {"cpu": {}, "pcie": {}, "engine": {}, "host": {}, "gpus": []}
     gpu_list = [lookup_gpu(n) for n in gpus] if gpus else list(spec["gpus"])
     for name, value in (("--vram-budget", vram_budget_gib), ("--pcie-bw", pcie_bw_gbs), ("--cpu-cores", cpu_cores),
                         ("--cpu-bw", cpu_bw_gbs), ("--host-ram", host_ram)):
@@ -157,5 +157,9 @@ def resolve_hardware(gpus: list[str] | None = None, *, vram_budget_gib: float | 
     if "latency_us" in spec["pcie"]:
         hw.pcie_latency_us = spec["pcie"]["latency_us"]
     for key, value in spec["engine"].items():
+        if isinstance(value, dict):  # a file's efficiencies add to the defaults: types it does not name keep theirs
+            value = getattr(hw, key) | value
         setattr(hw, key, value)
+    for key, value in spec["host"].items():
+        setattr(hw, f"host_{key}", value)
     return hw
