@@ -245,9 +245,11 @@ class ModelMaker:
                                      text=True)
 
     def cancel(self) -> None:
-        """Stop a model still being written (nothing will read it) and remove what it wrote."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        """Stop a model that nothing waited for (phase 4 did not run) and remove what it wrote, finished or not:
+        a model made in this run but never used is not kept as if a run had checked it."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
             self.proc.wait()
             self.path.unlink(missing_ok=True)
         self.proc = None

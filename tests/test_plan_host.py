@@ -24,6 +24,7 @@ from gguf.constants import GGMLQuantizationType as T
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.planner.costmodel import evaluate
+from pinfer_llm.planner.hardware import HOST_CALLS_PER_SPLIT_LAYER
 from pinfer_llm.planner.ilp import solve
 from pinfer_llm.planner.machine import resolve_hardware
 from pinfer_llm.planner.memory import account
@@ -123,7 +124,7 @@ def test_host_constants_from_hybrid_overhead_json(tmp_path):
     del out["cupy_calls_per_split_layer"]  # before helper graph's counter: the default call count stays
     f.write_text(json.dumps(out))
     assert resolve_hardware(["t4"], hw_file=f, cpu_cores=4, cpu_bw_gbs=20,
-                            host_ram=32).host_calls_per_split_layer == 20
+                            host_ram=32).host_calls_per_split_layer == HOST_CALLS_PER_SPLIT_LAYER
     f.write_text(json.dumps({"layers": 40}))
     with pytest.raises(PinferError, match="hybrid_overhead.py --json"):
         resolve_hardware(["t4"], hw_file=f, cpu_cores=4, cpu_bw_gbs=20, host_ram=32)

@@ -29,9 +29,9 @@ A `--hw` file (every section and key optional; unknown keys are errors, so typos
     sync_us = 10.0             # fixed cost of joining the CPU and GPU halves of a split layer (event wait)
 
     [host]                     # the one thread that queues the GPU's work and then computes the CPU's neurons
-    split_layer_us = 84.3      # pinfer's Python per split layer and decode step (executor, device wrappers, staging)
+    split_layer_us = 16.3      # pinfer's Python per split layer and decode step (executor, device wrappers, staging)
     call_us = 5.0              # one CuPy driver call (launch, copy, event) on the host thread
-    calls_per_split_layer = 20 # driver calls per split layer and decode step
+    calls_per_split_layer = 2  # driver calls per split layer and decode step
 
     [[gpu]]                    # repeat for several GPUs in one host
     name = "rtx4090"           # a table name; the keys below override the table
@@ -123,15 +123,15 @@ GPU_TYPE_LIKE = {"bf16": "f16", "f32": "f16", "q4_1": "q4_0", "q4_k": "q4_0", "q
                  "q5_k": "q8_0", "q6_k": "q8_0"}  # Q4_K runs as Q4_1, Q5_*/Q6_K as Q8_0 (memory.RUN_AS)
 # The host thread per split layer and decode step. HOST_SPLIT_LAYER_US: pinfer's own Python around the device calls
 # (executor, CudaDevice's wrappers, staging): `python benchmarks/hybrid_overhead.py --json --steps 400`,
-# with_cuda_wrappers_us_per_layer, the median of 3 runs (83.0, 84.3, 93.8) on 2026-12-03, Intel Xeon (Sapphire
-# Rapids), 2 cores, load average 0.2-0.3 (idle; 162.7-335.0 with the cores shared at load 7-12, 155.1 on an AVX2
-# EPYC after 2026-12-02); to refresh once helper graph's one launch per layer lands. HOST_CALL_US: CuPy's own cost
-# per driver call from Python, an estimate (5-10 us; not measured: no GPU here). HOST_CALLS_PER_SPLIT_LAYER: 12
-# launches, 2 copies, an event and its wait, ~4 allocations (issue #25). `make gpu-check` refits the host's time on
-# the device's host.
-HOST_SPLIT_LAYER_US = 84.3
+# with_cuda_wrappers_us_per_layer, the median of 3 runs (16.3, 16.3, 16.6) on 2026-12-04 with each split layer's
+# decode step replayed as a CUDA graph, Intel Xeon (Sapphire Rapids), 2 cores, idle (84.3 before the graphs; 155.1
+# on an AVX2 EPYC after 2026-12-02). HOST_CALL_US: CuPy's own cost per driver call from Python, an estimate (5-10
+# us; not measured: no GPU here). HOST_CALLS_PER_SPLIT_LAYER: a graph launch and an event wait (the same run counts
+# 2.2 per split layer with the first steps' eager ones; ~20 queued one by one). `make gpu-check` refits the host's
+# time on the device's host.
+HOST_SPLIT_LAYER_US = 16.3
 HOST_CALL_US = 5.0
-HOST_CALLS_PER_SPLIT_LAYER = 20
+HOST_CALLS_PER_SPLIT_LAYER = 2
 
 
 @dataclass
