@@ -14,8 +14,11 @@ if [ ! -f "$src/CMakeLists.txt" ]; then
   exit 2
 fi
 # GGML_NATIVE so the reference uses this CPU's ISA, like pinfer's native build;
-# no curl: the binaries only read local GGUF files.
-cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+# no curl: the binaries only read local GGUF files. Ninja where installed (a build
+# directory keeps the generator it was configured with).
+gen=()
+if command -v ninja >/dev/null && [ ! -f "$src/build/CMakeCache.txt" ]; then gen=(-G Ninja); fi
+cmake -S "$src" -B "$src/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
 cmake --build "$src/build" --config Release -j "$jobs" \
