@@ -120,6 +120,18 @@ def run_llama_bench(args) -> dict:
             "tokens": int(tests[0]["n_gen"]), "text": "", "prefill_tps": float(pp[0]["avg_ts"]) if pp else None}
 
 
+def bytes_bound(model: str, threads: int) -> dict:
+    """The memory bound on decode: every weight is read once per token (the file's size stands for the weights:
+    the tied or separate output head reads the embedding's bytes too, metadata and the tokenizer are a few MB at
+    most), at the streaming read bandwidth of `threads` threads measured now. A model whose weights fit in cache
+    can beat it; the figure says how far from memory speed both engines are."""
+    from pinfer_llm.planner.hardware import measure_cpu_bandwidth
+
+    nbytes = Path(model).stat().st_size
+    bw = measure_cpu_bandwidth(threads)
+    return {"bytes_per_token": nbytes, "bandwidth_gbs": round(bw, 2), "tokens_per_s": round(bw * 1e9 / nbytes, 1)}
+
+
 def run_worker(engine: str, args) -> dict:
     if engine == "llama-bench":
         return run_llama_bench(args)
@@ -180,6 +192,7 @@ def main() -> None:
         missing["llama-bench"] = "no --llama-bench PATH given (this script never builds llama.cpp)"
     for e, why in missing.items():
         print(f"{e}: not measured: {why}", file=sys.stderr)
+    bound = bytes_bound(args.model, args.threads)
 
     rows: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(args.rounds):
@@ -209,7 +222,7 @@ def main() -> None:
     summary = {"model": args.model, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
                "depth": args.depth,
                "paired_decode_ratio": ratios, "prefill_tokens": args.prefill, "paired_prefill_ratio": prefill,
-               "not_measured": missing,
+               "not_measured": missing, "bytes_bound": bound,
                "unpaired_medians": {e: {k: med(e, k) for k in ("decode_tps", "prompt_tps", "load_s", "peak_rss_mb")}
                                     | {"prefill_tps": med(e, "prefill_tps"), "text": rows[e][0]["text"]}
                                     for e in engines}}
@@ -227,6 +240,8 @@ def main() -> None:
             print(f"  vs {names[e]}: {v['median']:.2f}x  (per round: {', '.join(f'{x:.2f}' for x in v['per_round'])})")
         else:
             print(f"  vs {names[e]}: not measured: {missing[e]}")
+    print(f"  bound: {bound['bytes_per_token'] / 1e6:.1f} MB read per token at {bound['bandwidth_gbs']:.1f} GB/s "
+          f"({args.threads} threads, measured now) = {bound['tokens_per_s']:.0f} tok/s at most")
     for e, v in prefill.items():
         print(f"  prefill of {args.prefill} tokens vs {names[e]}: {v['median']:.2f}x  "
               f"(per round: {', '.join(f'{x:.2f}' for x in v['per_round'])})")
