@@ -122,6 +122,10 @@ class Transformer:
         # one token's pass through every layer as one C++ call (runtime/cpu/step.py), built on the first decode step;
         # use_step=False runs every token through the Python forward below (the reference)
         self.use_step = True
+        # row_invariant: every prompt row goes through the decode attention kernel, one row at a time, so that a
+        # token's keys, values and logits are the same bits whether it was prefilled alone, in a chunk of any length
+        # (below the kernels' GEMM crossover, which the engine's chunking keeps to) or decoded; Model.row_invariant
+        self.row_invariant = False
         self._step: cpu_step.DecodeStep | None = None
         self._no_step_sig: list | None = None  # the blocks for which build() said no, not to ask again each token
 
@@ -197,6 +201,15 @@ class Transformer:
         if T == 1 and self.fused:  # RoPE, cache write and attention in one call
             out = torch.ops.pinfer.attend_decode(qkv, self.rope_cs[pos], self.cache.k[li], self.cache.v[li],
                                                  pos, H, Hkv, self.scale, neox=cfg.rope == "neox")
+            return self.out_proj(b, out)
+        if self.row_invariant and self.fused:
+            # row by row, in order: row t writes its key and value, then attends to positions 0..pos+t, exactly as
+            # its decode step would (SDPA's prefill kernel sums in another order, so its rows differ in the last bits)
+            qkv = qkv.contiguous()
+            kc, vc, neox = self.cache.k[li], self.cache.v[li], cfg.rope == "neox"
+            out = torch.cat([torch.ops.pinfer.attend_decode(qkv[t:t + 1], self.rope_cs[pos + t], kc, vc, pos + t, H,
+                                                            Hkv, self.scale, neox=neox).view(1, H * D)
+                             for t in range(T)])
             return self.out_proj(b, out)
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)  # q and k rotated in one op
         if cfg.rope == "normal":
