@@ -103,18 +103,19 @@ class Model:
     vram_bytes: int = 0  # what the placement's parts take on it
     kv_type: str = "f16"  # the CPU's KV cache ("f16" or "f32"; the GPU's is f16)
 
+    invariant_rows: bool = True  # see row_invariant
+
     @property
     def row_invariant(self) -> bool:
         """Whether a token's keys, values and logits are the same bits however the prompt was chunked, whatever the
         cache held and whatever else was computed beside it (the default where the C++ kernels run; see
         docs/serving.md for its cost). Off: prefill takes the fp32 GEMM from GEMM_MIN_T rows and SDPA, faster on long
         prompts, and reuse keeps REUSE_MIN_PREFILL rows to prefill."""
-        tr = self.transformer
-        return tr.row_invariant and tr.fused and self.placement is None
+        return self.invariant_rows and self.transformer.fused and self.placement is None
 
     @row_invariant.setter
     def row_invariant(self, on: bool) -> None:
-        self.transformer.row_invariant = bool(on)
+        self.invariant_rows = bool(on)
 
     def hybrid_report(self) -> dict | None:
         """Placement, VRAM and the per-token time split of the last generation, when a GPU is used."""
@@ -155,11 +156,12 @@ class Model:
         ids = tokens.tolist()
         self.cached_ids = ids[:start]
         outs = []
-        step = invariant_chunk(self) if self.row_invariant else PREFILL_CHUNK
+        inv = self.row_invariant
+        step = invariant_chunk(self) if inv else PREFILL_CHUNK
         for s in range(start, tokens.numel(), step):
             chunk = tokens[s:s + step]
             last = s + step >= tokens.numel()
-            logits = self.transformer.forward(chunk, s, all_logits=all_logits)
+            logits = self.transformer.forward(chunk, s, all_logits=all_logits, row_invariant=inv)
             self.cached_ids = ids[:s + chunk.numel()]
             if all_logits or last:
                 outs.append(logits)
