@@ -161,7 +161,9 @@ class Model:
         for s in range(start, tokens.numel(), step):
             chunk = tokens[s:s + step]
             last = s + step >= tokens.numel()
-            logits = self.transformer.forward(chunk, s, all_logits=all_logits, row_invariant=inv)
+            # passed only when on: the hybrid executor's transformer (never row-invariant) takes no such argument
+            kw = {"row_invariant": True} if inv else {}
+            logits = self.transformer.forward(chunk, s, all_logits=all_logits, **kw)
             self.cached_ids = ids[:s + chunk.numel()]
             if all_logits or last:
                 outs.append(logits)
