@@ -111,7 +111,9 @@ class Model:
         cache held and whatever else was computed beside it (the default where the C++ kernels run; see
         docs/serving.md for its cost). Off: prefill takes the fp32 GEMM from GEMM_MIN_T rows and SDPA, faster on long
         prompts, and reuse keeps REUSE_MIN_PREFILL rows to prefill."""
-        return self.invariant_rows and self.transformer.fused and self.placement is None
+        # the CPU Transformer itself: the hybrid executor's (GPU parts, own attention) is not row-invariant
+        tr = self.transformer
+        return self.invariant_rows and type(tr) is Transformer and tr.fused and self.placement is None
 
     @row_invariant.setter
     def row_invariant(self, on: bool) -> None:
@@ -161,7 +163,7 @@ class Model:
         for s in range(start, tokens.numel(), step):
             chunk = tokens[s:s + step]
             last = s + step >= tokens.numel()
-            # passed only when on: the hybrid executor's transformer (never row-invariant) takes no such argument
+            # passed only when on: the hybrid executor's transformer takes no such argument
             kw = {"row_invariant": True} if inv else {}
             logits = self.transformer.forward(chunk, s, all_logits=all_logits, **kw)
             self.cached_ids = ids[:s + chunk.numel()]
