@@ -40,6 +40,18 @@ PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch mem
 REUSE_MIN_PREFILL = 16
 
 
+def invariant_chunk(m) -> int:
+    """Prefill rows per forward with row-invariant numerics: below the kernels' GEMM crossover, so every matmul takes
+    the 8-bit tiles a decode step takes, whose rows are independent of the other rows (tests/test_server_prefix_cache.py
+    checks it), and for a sparse FFN no more than its few-token kernel takes."""
+    from pinfer_llm.runtime.ffn import ops as ffn_ops
+
+    n = min(PREFILL_CHUNK, int(torch.ops.pinfer.gemm_min_t()) - 1)
+    if m.ffn_mode != "dense":
+        n = min(n, max(1, ffn_ops.KERNEL_MAX_T))
+    return max(1, n)
+
+
 @dataclass
 class Stats:
     import_s: float = 0.0  # the process's age when load_model began: Python's start and imports
@@ -91,6 +103,22 @@ class Model:
     vram_bytes: int = 0  # what the placement's parts take on it
     kv_type: str = "f16"  # the CPU's KV cache ("f16" or "f32"; the GPU's is f16)
 
+    invariant_rows: bool = True  # see row_invariant
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a token's keys, values and logits are the same bits however the prompt was chunked, whatever the
+        cache held and whatever else was computed beside it (the default where the C++ kernels run; see
+        docs/serving.md for its cost). Off: prefill takes the fp32 GEMM from GEMM_MIN_T rows and SDPA, faster on long
+        prompts, and reuse keeps REUSE_MIN_PREFILL rows to prefill."""
+        # the CPU Transformer itself: the hybrid executor's (GPU parts, own attention) is not row-invariant
+        tr = self.transformer
+        return self.invariant_rows and type(tr) is Transformer and tr.fused and self.placement is None
+
+    @row_invariant.setter
+    def row_invariant(self, on: bool) -> None:
+        self.invariant_rows = bool(on)
+
     def hybrid_report(self) -> dict | None:
         """Placement, VRAM and the per-token time split of the last generation, when a GPU is used."""
         if self.placement is None:
@@ -130,10 +158,14 @@ class Model:
         ids = tokens.tolist()
         self.cached_ids = ids[:start]
         outs = []
-        for s in range(start, tokens.numel(), PREFILL_CHUNK):
-            chunk = tokens[s:s + PREFILL_CHUNK]
-            last = s + PREFILL_CHUNK >= tokens.numel()
-            logits = self.transformer.forward(chunk, s, all_logits=all_logits)
+        inv = self.row_invariant
+        step = invariant_chunk(self) if inv else PREFILL_CHUNK
+        for s in range(start, tokens.numel(), step):
+            chunk = tokens[s:s + step]
+            last = s + step >= tokens.numel()
+            # passed only when on: the hybrid executor's transformer takes no such argument
+            kw = {"row_invariant": True} if inv else {}
+            logits = self.transformer.forward(chunk, s, all_logits=all_logits, **kw)
             self.cached_ids = ids[:s + chunk.numel()]
             if all_logits or last:
                 outs.append(logits)
@@ -142,7 +174,8 @@ class Model:
     def reusable_prefix(self, ids: Sequence[int]) -> int:
         """How many leading tokens of `ids` the KV cache already holds and may keep: at least one token is left to
         prefill (its logits pick the first new token), REUSE_MIN_PREFILL if the prompt has that many."""
-        keep = REUSE_MIN_PREFILL if len(ids) >= REUSE_MIN_PREFILL else 1
+        # row-invariant numerics: any number of new rows gives a fresh run's bits; else a fresh run's kernel choice
+        keep = 1 if self.row_invariant or len(ids) < REUSE_MIN_PREFILL else REUSE_MIN_PREFILL
         n, limit = 0, min(len(self.cached_ids), len(ids) - keep)
         while n < limit and self.cached_ids[n] == ids[n]:
             n += 1
@@ -226,7 +259,8 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: int | None = None,
                ffn_act: str | None = None, ffn_mode: str = "auto", progress=None, *, gpu: str = "none",
                placement: str | None = None, vram_budget: float | None = None, kv_type: str = "f16",
-               gpu_timing: bool = False, n_gpu_layers: int | None = None, say=lambda msg: None) -> Model:
+               gpu_timing: bool = False, n_gpu_layers: int | None = None, say=lambda msg: None,
+               row_invariant: bool = True) -> Model:
     """Open a GGUF/PWRI model and prepare it for generation. The weights stay in the file (memory-mapped, read in
     place by the C++ kernels): loading parses the header and makes views.
 
@@ -240,7 +274,7 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     placement with exactly that many layers on the GPU; gpu_timing: also measure the GPU's own time per token
     (compute, copies) with CUDA events, which costs host time (runtime/gpu/timing.py). Without a GPU, each of these
     that was given is one line in Model.warnings and the model runs on the CPU. say: receives one-line messages about
-    the choice.
+    the choice. row_invariant: see Model.row_invariant.
     """
     t0, import_s = time.perf_counter(), process_age_s()
     if threads is not None and threads < 1:
@@ -268,6 +302,7 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     with torch.inference_mode():
         tr, load = load_transformer(f, cfg, ctx, ffn_mode, progress, kv_type)
     m = Model(f, cfg, tok, tr, torch.get_num_threads(), ffn_mode, notices=load.notices, kv_type=kv_type)
+    m.row_invariant = row_invariant
     _use_gpu(m, gpu, placement, vram_budget, kv_type, say, gpu_timing, n_gpu_layers)
     m.stats.load_s = time.perf_counter() - t0
     m.stats.kernels_s, m.stats.kernels_built, m.stats.import_s = kernels_s, kernels_built, import_s

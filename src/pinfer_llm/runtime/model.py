@@ -122,6 +122,7 @@ class Transformer:
         # one token's pass through every layer as one C++ call (runtime/cpu/step.py), built on the first decode step;
         # use_step=False runs every token through the Python forward below (the reference)
         self.use_step = True
+        self._rows_invariant = False  # this forward's row_invariant (read by attention)
         self._step: cpu_step.DecodeStep | None = None
         self._no_step_sig: list | None = None  # the blocks for which build() said no, not to ask again each token
 
@@ -129,8 +130,13 @@ class Transformer:
     def max_ctx(self) -> int:
         return self.cache.max_ctx
 
-    def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """tokens [T] at positions pos..pos+T-1 -> logits [T, vocab] (or [1, vocab] for the last token only)."""
+    def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False,
+                row_invariant: bool = False) -> torch.Tensor:
+        """tokens [T] at positions pos..pos+T-1 -> logits [T, vocab] (or [1, vocab] for the last token only).
+        row_invariant: every row goes through the decode attention kernel, one row at a time, so that a token's keys,
+        values and logits are the same bits whether it was prefilled alone, in a chunk of any length below the
+        kernels' GEMM crossover (the engine's chunking keeps to it, Model.row_invariant) or decoded."""
+        self._rows_invariant = row_invariant
         x = self.embed(tokens, pos)  # (T, d) float32
         if x.shape[0] == 1 and self.use_step and (step := self.decode_step()) is not None:
             return step(x, pos)
@@ -197,6 +203,15 @@ class Transformer:
         if T == 1 and self.fused:  # RoPE, cache write and attention in one call
             out = torch.ops.pinfer.attend_decode(qkv, self.rope_cs[pos], self.cache.k[li], self.cache.v[li],
                                                  pos, H, Hkv, self.scale, neox=cfg.rope == "neox")
+            return self.out_proj(b, out)
+        if self._rows_invariant and self.fused:
+            # row by row, in order: row t writes its key and value, then attends to positions 0..pos+t, exactly as
+            # its decode step would (SDPA's prefill kernel sums in another order, so its rows differ in the last bits)
+            qkv = qkv.contiguous()
+            kc, vc, neox = self.cache.k[li], self.cache.v[li], cfg.rope == "neox"
+            out = torch.cat([torch.ops.pinfer.attend_decode(qkv[t:t + 1], self.rope_cs[pos + t], kc, vc, pos + t, H,
+                                                            Hkv, self.scale, neox=neox).view(1, H * D)
+                             for t in range(T)])
             return self.out_proj(b, out)
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)  # q and k rotated in one op
         if cfg.rope == "normal":
