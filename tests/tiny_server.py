@@ -48,6 +48,12 @@ class SlowModel:
     def __getattr__(self, name):
         return getattr(self.m, name)
 
+    def __setattr__(self, name, value):  # the model's state (cached_ids...) is the model's, not the wrapper's
+        if name in ("m", "delay", "runs", "fail", "torch_threads"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.m, name, value)
+
     def generate(self, ids, **kw):
         gen = self.m.generate(ids, **kw)
         return self._slow(gen)
