@@ -69,7 +69,7 @@ class GuardedProtocol(H11Protocol):
     def _expire(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
-            client = "%s:%d " % self.client if self.client else ""
+            client = f"{self.client[0]}:{self.client[1]} " if self.client else ""
             log.info("%sdropped: no complete request within %gs (--timeout)", client, self.request_timeout)
             self.transport.close()
 
