@@ -243,10 +243,15 @@ def test_one_log_line_per_request(http, caplog):
     with caplog.at_level(logging.INFO, logger="pi-serve"):
         http.post(CHAT, json=GOOD | {"max_tokens": 4})
         http.get("/health?verbose=1")
-    lines = [r.getMessage() for r in caplog.records if r.name == "pi-serve"]
-    # (a line of another test's request that ends meanwhile may be among them)
-    gen = [x for x in lines if '"POST /v1/chat/completions"' in x and " out 4 " in x]
-    health = [x for x in lines if '"GET /health"' in x]
+        deadline = time.monotonic() + 5
+        while True:  # the line is written once the answer has gone, which the client may see first
+            lines = [r.getMessage() for r in caplog.records if r.name == "pi-serve"]
+            # (a line of another test's request that ends meanwhile may be among them)
+            gen = [x for x in lines if '"POST /v1/chat/completions"' in x and " out 4 " in x]
+            health = [x for x in lines if '"GET /health"' in x]
+            if len(health) >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
     assert len(gen) == len(health) == 1, lines
     gen, health = gen[0], health[0]
     assert '"POST /v1/chat/completions" 200' in gen and " out 4 " in gen and "ttft " in gen and "tok/s" in gen
