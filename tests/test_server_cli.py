@@ -62,7 +62,10 @@ def test_unknown_host(model):
 
 @pytest.mark.parametrize("args, needle", [(["--queue", "-1"], "--queue must be >= 0"),
                                           (["--sparse", "--dense"], "choose one of"),
-                                          (["-t", "0"], "--threads must be >= 1")])
+                                          (["-t", "0"], "--threads must be >= 1"),
+                                          (["--timeout", "0"], "--timeout must be > 0"),
+                                          (["--max-connections", "0"], "--max-connections must be >= 1"),
+                                          (["--pooling", "max"], "--pooling must be one of mean, last, cls")])
 def test_bad_options(model, args, needle):
     one_line_error([model, "--port", "0", *args], needle)
 
@@ -151,3 +154,22 @@ def test_serves_and_stops_on_sigint(model):
         if p.poll() is None:
             p.kill()
     assert p.returncode == 0 and "Traceback" not in err and err.rstrip().endswith("pi-serve: stopped"), err
+
+
+def test_server_options_reach_the_app(model, monkeypatch):
+    """--strict-model, --cors, --pooling reach create_app; --timeout and --max-connections reach uvicorn's config."""
+    got = []
+    monkeypatch.setattr(serve_cli, "run_uvicorn", lambda app_, sock, m, *rest: (sock.close(), got.append((app_,
+                                                                                                         rest))))
+    res = runner.invoke(app, [str(model), "--port", "0", "--strict-model", "--cors", "http://a.example", "--cors",
+                              "http://b.example", "--pooling", "last", "--timeout", "7", "--max-connections", "9"])
+    assert res.exit_code == 0, res.output
+    app_, rest = got[0]
+    assert rest[-2:] == (7.0, 9)
+    from starlette.testclient import TestClient
+
+    with TestClient(app_) as c:
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "model": "x"}).status_code == 404
+        assert c.get("/props").json()["pooling"] == "last"
+        pre = {"Origin": "http://b.example", "Access-Control-Request-Method": "POST"}
+        assert c.options("/v1/completions", headers=pre).headers["access-control-allow-origin"] == "http://b.example"

@@ -21,9 +21,11 @@ def served(tmp_path_factory):
     write_chat_model(d / "tiny-chat.gguf")
     srv, slow = start_server(d / "tiny-chat.gguf", names=["tiny"])
     keyed, _ = start_server(d / "tiny-chat.gguf", api_key="sesame")
-    yield srv, slow, keyed
+    strict, _ = start_server(d / "tiny-chat.gguf", names=["tiny"], strict_model=True)
+    yield srv, slow, keyed, strict
     srv.close()
     keyed.close()
+    strict.close()
     torch.set_num_threads(threads)
 
 
@@ -152,13 +154,22 @@ def test_max_tokens_beyond_the_context_is_cut_to_it(http):
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["total_tokens"] <= 257
 
 
+@pytest.mark.parametrize("name", ["tiny-chat", "tiny-chat.gguf", "tiny", None, "gpt-4o", "", "llama3:8b"])
+def test_any_model_name_is_the_loaded_model(http, name):
+    """As llama-server: Ollama-style clients send their own names; the answer names the model that served it."""
+    r = http.post(CHAT, json=GOOD | ({} if name is None else {"model": name}))
+    assert r.status_code == 200 and r.json()["model"] == "tiny-chat"
+    assert http.get(f"/v1/models/{name or 'x'}").json()["id"] == "tiny-chat"
+
+
 @pytest.mark.parametrize("name, status", [("tiny-chat", 200), ("tiny-chat.gguf", 200), ("tiny", 200),
                                           (None, 200), ("gpt-4o", 404), ("", 404)])
-def test_model_names(http, name, status):
+def test_strict_model_names(served, name, status):
     body = GOOD | ({} if name is None else {"model": name})
-    r = http.post(CHAT, json=body)
+    r = httpx.post(served[3].url + CHAT, json=body)
     if status == 404:
         assert_error(r, 404, "does not exist", "tiny-chat", param="model", code="model_not_found")
+        assert_error(httpx.get(served[3].url + "/v1/models/other"), 404, "does not exist")
     else:
         assert r.status_code == 200 and r.json()["model"] == "tiny-chat"
 
@@ -166,7 +177,6 @@ def test_model_names(http, name, status):
 def test_routes_and_methods(http):
     assert_error(http.get("/v1/nothing"), 404, "no such route")
     assert_error(http.get(CHAT), 405, "method not allowed")
-    assert_error(http.get("/v1/models/other"), 404, "does not exist")
     still_serving(http)
 
 

@@ -14,6 +14,7 @@ from pinfer_llm.cli.serve import listen
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.model_writer import write_llama
 from pinfer_llm.runtime import load_model
+from pinfer_llm.runtime.serving.connections import uvicorn_config
 from pinfer_llm.runtime.serving.server import create_app
 from tests.tiny import random_weights, tiny_config
 
@@ -47,6 +48,12 @@ class SlowModel:
     def __getattr__(self, name):
         return getattr(self.m, name)
 
+    def __setattr__(self, name, value):  # the model's state (cached_ids...) is the model's, not the wrapper's
+        if name in ("m", "delay", "runs", "fail", "torch_threads"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.m, name, value)
+
     def generate(self, ids, **kw):
         gen = self.m.generate(ids, **kw)
         return self._slow(gen)
@@ -66,12 +73,14 @@ class SlowModel:
 class RunningServer:
     """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config_kw):
         self.app = app
         sock = listen("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
+        # pi-serve's own config (connections.py: the request deadline, the connection bound, no uvicorn access log)
+        config_kw = {"log_level": "critical", "timeout_graceful_shutdown": 1} | config_kw
+        self.server = uvicorn.Server(uvicorn_config(app, **config_kw))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -85,9 +94,9 @@ class RunningServer:
         self.thread.join(5)
 
 
-def start_server(path, **app_kw) -> tuple[RunningServer, SlowModel]:
+def start_server(path, config: dict | None = None, **app_kw) -> tuple[RunningServer, SlowModel]:
     m = SlowModel(load_model(path, threads=1))
-    return RunningServer(create_app(m, threads=1, **app_kw)), m
+    return RunningServer(create_app(m, threads=1, **app_kw), **(config or {})), m
 
 
 def random_prompt(n: int, seed: int) -> list[int]:

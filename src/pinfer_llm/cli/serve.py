@@ -3,6 +3,7 @@
     pi-serve smollm2                                  # http://127.0.0.1:8080/v1/chat/completions
     pi-serve model.gguf --port 8000 -t 4 -c 4096 --api-key KEY
     pi-serve -m model.gguf -ngl 99                    # as llama-server: every layer on the GPU
+    pi-serve smollm2 --cors http://localhost:3000     # a web front-end on another origin may call it
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from pinfer_llm.cli.options import (
 from pinfer_llm.cli.threads import BusyCores, warn_if_busy
 from pinfer_llm.formats.errors import PinferError, report
 
+# runtime/serving/connections.py's defaults, repeated so that `pi-serve --help` need not import torch
+# (tests/test_server_cli.py checks they agree)
+TIMEOUT_S, MAX_CONNECTIONS = 30.0, 512
+
 app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
@@ -53,6 +58,18 @@ def serve(
                                        "with Retry-After.")] = 8,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="PINFER_API_KEY", help="Require "
                                                 "'Authorization: Bearer KEY' (also from $PINFER_API_KEY).")] = None,
+    strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse (404) a request naming another model; "
+                                               "by default any name is served with the loaded model, as "
+                                               "llama-server does.")] = False,
+    cors: Annotated[list[str] | None, typer.Option("--cors", help="Allow browser pages from ORIGIN (e.g. "
+                                                   "http://localhost:3000; '*': any) to call the API; repeatable. "
+                                                   "Default: none, only the page pi-serve serves at /.")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds a client has to send a whole request; a "
+                                           "connection that has not is closed.")] = TIMEOUT_S,
+    max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most; more are "
+                                                 "answered 503 and closed.")] = MAX_CONNECTIONS,
+    pooling: Annotated[str, typer.Option("--pooling", help="/v1/embeddings: pool the last hidden states by 'mean', "
+                                         "'last' or 'cls' (first token).")] = "mean",
     ffn_act: FfnAct = None,
     sparse: Sparse = False,
     dense: Dense = False,
@@ -65,7 +82,8 @@ def serve(
     verbose: Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")] = False,
     version: version_option("pi-serve") = False,
 ) -> None:
-    """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
+    llama-server's endpoints (/tokenize, /detokenize, /props, /slots, /metrics, /health) and a chat page at /."""
     try:
         model = pick_model(model_arg, model_opt)
         mode = ffn_mode(sparse, dense, oracle_masks)
@@ -73,6 +91,14 @@ def serve(
             raise PinferError(f"--queue must be >= 0, got {queue}")
         if threads is not None and threads < 1:
             raise PinferError(f"--threads must be >= 1, got {threads}")
+        if not timeout > 0:
+            raise PinferError(f"--timeout must be > 0 seconds, got {timeout:g}")
+        if max_connections < 1:
+            raise PinferError(f"--max-connections must be >= 1, got {max_connections}")
+        from pinfer_llm.runtime.serving.embeddings import POOLINGS
+
+        if pooling not in POOLINGS:
+            raise PinferError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
         sock = listen(host, port)  # before loading: a taken port fails in a second, not after the load
         from pinfer_llm.runtime import load_model
         from pinfer_llm.runtime.serving.server import create_app
@@ -87,8 +113,9 @@ def serve(
             print(f"pi-serve: note: {n}", file=sys.stderr)
         # a server outlives the load it starts beside: warned about, the thread count left as asked
         warn_if_busy("pi-serve", m.threads, cores)
-        app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads)
-        run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key))
+        app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads,
+                          strict_model=strict_model, cors=cors or (), pooling=pooling)
+        run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key), timeout, max_connections)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-serve")) from None
 
@@ -111,8 +138,11 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: bool) -> None:
+def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: bool, timeout: float = TIMEOUT_S,
+                max_connections: int = MAX_CONNECTIONS) -> None:
     import uvicorn
+
+    from pinfer_llm.runtime.serving.connections import uvicorn_config
 
     logging.basicConfig(level=logging.INFO, format="pi-serve: %(message)s")
     host, port = sock.getsockname()[:2]
@@ -121,7 +151,9 @@ def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: b
     on = f", GPU {gpu['gpu']} ({gpu['placement']['name']})" if gpu else ""
     print(f"pi-serve: {model_id} on {url}/v1 (context {m.ctx_size}, {m.threads} threads, FFN {m.ffn_mode}{on}, "
           f"queue {queue}{', API key required' if auth else ''})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app_, log_level="info", timeout_graceful_shutdown=3)
+    print(f"pi-serve: chat page on {url}/", file=sys.stderr, flush=True)
+    config = uvicorn_config(app_, timeout=timeout, max_connections=max_connections, log_level="info",
+                            timeout_graceful_shutdown=3)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn has shut down cleanly, then re-raises the Ctrl-C it caught

@@ -54,7 +54,9 @@ class GGUFTokenizer:
     tokens: list[str] = field(default_factory=list, repr=False)
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the same ids, but it lets go of the GIL, so a long text tokenised on one
+        # thread (pi-serve's request parsing) does not stop every other (its event loop) until it is done
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         if add_special and self.add_eos and self.eos_id is not None:

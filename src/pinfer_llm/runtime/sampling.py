@@ -72,7 +72,12 @@ def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, Sequence[int]], i
         if p.min_p > 0.0:
             keep &= probs >= p.min_p * probs[0]
         keep[0] = True
-        logits = logits[keep] / p.temperature
+        kept = logits[keep]
+        logits = kept / p.temperature
+        if not torch.isfinite(logits).all():
+            # a temperature so small (1e-320) that the division overflows float32: the same distribution, shifted
+            # by the largest logit (kept[0]) in float64, is finite: the top token at 0, the rest far below
+            logits = (kept.double() - kept[0].double()) / p.temperature
         choice = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
         return int(ids[keep][choice])
 

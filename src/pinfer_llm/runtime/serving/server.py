@@ -2,10 +2,13 @@
 
     app = create_app(m, names=["smollm2"], api_key=None, max_waiting=8)
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health. Requests are checked
-and tokenised on the event loop, so a bad one is answered at once; generations then run one at a time on the
-ModelWorker's thread, in arrival order. Every error, ours or unexpected, is answered in OpenAI's error shape, and
-a traceback goes only to the server's log.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, and llama-server's
+(endpoints.py): /tokenize, /detokenize, /props, /slots, /metrics, /v1/embeddings, the chat page at /. Requests are
+read on the event loop, then parsed and tokenised on a thread, so neither a 15 MB body nor a long prompt keeps
+/health or any other client waiting; generations then run on the ModelWorker's thread, in arrival order. Any
+`model` name is served with the loaded model (clients send their own names), unless strict_model. Every error,
+ours or unexpected, is answered in OpenAI's error shape, and a traceback goes only to the server's log. Each
+request gets one log line (access.py); CORS only for the origins in `cors`.
 """
 
 from __future__ import annotations
@@ -21,20 +24,35 @@ from pathlib import Path
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.runtime.generation.chat import encode_chat
 from pinfer_llm.runtime.generation.textgen import TextGeneration
-from pinfer_llm.runtime.serving.openai_api import ApiError, GenRequest, Reply, error_body, parse_chat, parse_completion
+from pinfer_llm.runtime.serving import endpoints
+from pinfer_llm.runtime.serving.access import RECORD, AccessLog
+from pinfer_llm.runtime.serving.embeddings import POOLINGS
+from pinfer_llm.runtime.serving.metrics import Metrics, Slots, observe
+from pinfer_llm.runtime.serving.openai_api import (
+    ApiError,
+    GenRequest,
+    Reply,
+    decode_json,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
 from pinfer_llm.runtime.serving.worker import ModelWorker
 
 log = logging.getLogger("pi-serve")
 RETRY_AFTER_S = 2  # what a refused client is told to wait: a few tokens' time frees a place in the queue
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 16 << 20  # far above any context's worth of text
+PARSERS = 4  # requests parsed and tokenised at once, on threads: more wait, and hold no more memory than their body
 
 
 def model_names(m, extra: Sequence[str] = ()) -> list[str]:
@@ -46,15 +64,33 @@ def model_names(m, extra: Sequence[str] = ()) -> list[str]:
 
 
 def create_app(m, names: Sequence[str] = (), api_key: str | None = None, max_waiting: int = 8,
-               threads: int | None = None) -> Starlette:
+               threads: int | None = None, strict_model: bool = False, cors: Sequence[str] = (),
+               pooling: str = "mean") -> Starlette:
+    if pooling not in POOLINGS:
+        raise PinferError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     names = model_names(m, names)
     model_id = names[0]
     worker = ModelWorker(threads=threads, max_waiting=max_waiting)
+    metrics, slots = Metrics(), Slots(getattr(worker, "parallel", 1))
+    parsers = anyio.CapacityLimiter(PARSERS)
+    # no token spells more characters than the longest one's text (a byte-level BPE token's text has a character
+    # per byte, a text character takes at least one): text longer than ctx * longest cannot fit, and is refused
+    # before tokenising it costs seconds and a GiB
+    longest = max((len(t) for t in m.tokenizer.tokens), default=1) or 1
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in names:
+        if strict_model and name is not None and name not in names:
             raise ApiError(404, f"the model '{name}' does not exist: this server serves '{model_id}'",
                            param="model", code="model_not_found")
+
+    def check_length(chars: int, what: str) -> None:
+        if chars > m.ctx_size * longest:
+            raise ApiError(400, f"this model's context holds {m.ctx_size} tokens, but the {what} take at least "
+                                f"{chars // longest} ({chars} characters); shorten the {what}, or restart pi-serve "
+                                f"with a larger -c", param=what, code="context_length_exceeded")
+
+    async def off_loop(fn, *args):
+        return await anyio.to_thread.run_sync(fn, *args, limiter=parsers)
 
     def check_prompt(ids: list[int], req: GenRequest) -> None:
         what = "messages" if req.chat else "prompt"
@@ -69,19 +105,45 @@ def create_app(m, names: Sequence[str] = (), api_key: str | None = None, max_wai
             raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{m.cfg.vocab_size - 1})", param=what)
 
     async def chat_completions(request: Request):
-        req = parse_chat(await read_json(request))
-        check_model(req.model)
-        try:
-            ids = encode_chat(m.tokenizer, req.messages)
-        except PinferError as e:  # no template, or the template refused the conversation (roles out of order...)
-            raise ApiError(400, str(e), param="messages") from None
-        return start(req, ids)
+        raw = await read_body(request)
+
+        def prepare():
+            req = parse_chat(decode_json(raw))
+            check_model(req.model)
+            check_length(sum(len(msg["content"]) for msg in req.messages), "messages")
+            try:
+                return req, encode_chat(m.tokenizer, req.messages)
+            except PinferError as e:  # no template, or the template refused the conversation (roles out of order...)
+                raise ApiError(400, str(e), param="messages") from None
+        req, ids = await off_loop(prepare)
+        return observed(request, start(req, ids), len(ids))
 
     async def completions(request: Request):
-        req = parse_completion(await read_json(request))
-        check_model(req.model)
-        ids = m.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-        return start(req, ids)
+        raw = await read_body(request)
+
+        def prepare():
+            req = parse_completion(decode_json(raw))
+            check_model(req.model)
+            if isinstance(req.prompt, str):
+                check_length(len(req.prompt), "prompt")
+                return req, m.tokenizer.encode(req.prompt)
+            return req, req.prompt
+        req, ids = await off_loop(prepare)
+        return observed(request, start(req, ids), len(ids))
+
+    def observed(request: Request, resp: GenerationResponse, prompt_tokens: int) -> GenerationResponse:
+        """The response, its generation stamped for the log line, /metrics, /slots and `timings`."""
+        rec = request.scope.get(RECORD)
+        if rec is not None:
+            rec.endpoint = "chat" if resp.req.chat else "completion"
+            rec.prompt_tokens = prompt_tokens
+            resp.produce = observe(resp.produce, rec, slots, lambda t: setattr(resp.reply, "timings", t))
+        return resp
+
+    def busy() -> ApiError:
+        return ApiError(503, f"the server is busy: one request is generating and {worker.waiting} are waiting "
+                             f"(--queue {worker.max_waiting}); retry in a moment", type="server_error",
+                        code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def start(req: GenRequest, ids: list[int]) -> GenerationResponse:
         check_prompt(ids, req)
@@ -104,7 +166,7 @@ def create_app(m, names: Sequence[str] = (), api_key: str | None = None, max_wai
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def model(request: Request):
-        check_model(request.path_params["name"])
+        check_model(request.path_params["name"])  # any name is the loaded model, unless strict_model
         return JSONResponse(model_card())
 
     def model_card() -> dict:
@@ -134,21 +196,32 @@ def create_app(m, names: Sequence[str] = (), api_key: str | None = None, max_wai
 
     async def http_error(request: Request, exc: HTTPException):
         what = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, exc.detail)
-        return JSONResponse(error_body(f"{what}: {request.method} {request.url.path}", code=str(exc.status_code)),
-                            exc.status_code, headers=exc.headers)
+        hint = ("; a browser page from another origin needs pi-serve --cors ORIGIN"
+                if request.method == "OPTIONS" and not cors else "")
+        return error_response(ApiError(exc.status_code, f"{what}: {request.method} {request.url.path}{hint}",
+                                       code=str(exc.status_code), headers=exc.headers))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         worker.close()
 
+    served = endpoints.Served(m, model_id, worker, metrics, slots, pooling, check_model, check_length, read_body,
+                              off_loop, busy)
     routes = [Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
               Route("/v1/completions", guarded(completions), methods=["POST"]),
               Route("/v1/models", guarded(models), methods=["GET"]),
               Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
               Route("/health", guarded(health, public=True), methods=["GET"])]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
-    app.state.worker, app.state.model_id = worker, model_id
+    routes += [Route(path, guarded(fn, public=public), methods=methods)
+               for path, (fn, methods, public) in endpoints.routes(served).items()]
+    middleware = [Middleware(AccessLog, metrics=metrics, api_key=api_key)]
+    if cors:  # browsers' preflight (OPTIONS) and CORS headers for these origins only; "*": any origin
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"], max_age=600))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error},
+                    lifespan=lifespan)
+    app.state.worker, app.state.model_id, app.state.metrics = worker, model_id, metrics
     return app
 
 
@@ -161,20 +234,18 @@ def authorize(request: Request, api_key: str) -> None:
         raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
 
-async def read_json(request: Request):
+async def read_body(request: Request) -> bytes:
     body = bytearray()
     async for chunk in request.stream():  # read in pieces, so an oversized body is refused before it fills memory
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    return bytes(body)
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), e.status, headers=e.headers)
+def error_response(e: ApiError) -> Response:
+    # ASCII-escaped: a message can never fail to encode, whatever a client sent
+    return Response(json.dumps(e.body()), e.status, headers=e.headers, media_type="application/json")
 
 
 def sse(obj) -> bytes:
