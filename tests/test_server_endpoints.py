@@ -16,12 +16,8 @@ import pytest
 import torch
 
 from pinfer_llm.runtime.serving.connections import MAX_CONNECTIONS, TIMEOUT_S
-from tests.test_server_http import assert_error
+from tests.test_server_http import CHAT, GOOD, assert_error
 from tests.tiny_server import start_server, write_chat_model
-
-CHAT = "/v1/chat/completions"
-HELLO = [{"role": "user", "content": "hi"}]
-GOOD = {"messages": HELLO, "max_tokens": 3, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
