@@ -358,7 +358,8 @@ def test_health_answers_while_a_long_text_is_tokenised(served):
     lat, took = health_during(url, lambda: out.append(httpx.post(url + "/tokenize", json={"content": text},
                                                                  timeout=60)))
     assert out[0].status_code == 200 and len(out[0].json()["tokens"]) > 100_000
-    assert len(lat) >= 3 and max(lat) < 0.1, (max(lat), len(lat), took)
+    # on the loop, one wait would be the whole tokenising (>= 0.3 s); off it, a few GIL switches (CI saw 0.108 s)
+    assert len(lat) >= 3 and max(lat) < min(0.2, took / 2), (max(lat), len(lat), took)
 
 
 @pytest.fixture(scope="module")
