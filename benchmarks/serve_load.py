@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
+sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]  # the checkout, without an install
 
 TOPICS = ["the sea", "mountains", "a cat", "coffee", "trains", "autumn", "a library", "the moon", "bread", "rain",
           "a garden", "music", "winter", "bicycles", "the desert", "a lighthouse", "bees", "clocks", "snow", "rivers"]
@@ -68,10 +68,11 @@ class RssSampler:
         self._thread.join(2)
 
 
-def start_server(model: str, threads: int, queue: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, threads: int, queue: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen([sys.executable, "-m", "pinfer_llm.cli.serve", model, "--port", "0", "-t", str(threads),
-                          "--queue", str(queue)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                          "--queue", str(queue), *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True,
+                         env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")})
     line = p.stderr.readline()
     m = re.search(r"on (http://\S+)/v1 ", line)
     if not m:
@@ -91,15 +92,18 @@ def start_server(model: str, threads: int, queue: int) -> tuple[subprocess.Popen
             time.sleep(0.1)
 
 
-def stream_chat(url: str, messages: list[dict], max_tokens: int, cache: bool = True) -> dict:
-    """One streaming chat request: text, time to first token, decode time, usage, error."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+def stream_chat(url: str, messages: list[dict] | str, max_tokens: int, cache: bool = True) -> dict:
+    """One streaming chat request (a str: a completion of that prompt): text, time to first token, decode time,
+    usage, error."""
+    chat = not isinstance(messages, str)
+    body = {"messages" if chat else "prompt": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": cache}
     out = {"text": "", "ttft": None, "error": None, "usage": None, "finish": None, "done": False}
     t0 = time.monotonic()
     t_last = t0
     try:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
+        with httpx.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
+                          timeout=TIMEOUT) as r:
             if r.status_code != 200:
                 r.read()
                 out["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -118,7 +122,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, cache: bool = T
                 if ev.get("usage"):
                     out["usage"] = ev["usage"]
                 for ch in ev["choices"]:
-                    piece = ch["delta"].get("content")
+                    piece = ch["delta"].get("content") if chat else ch.get("text")
                     if piece:
                         t_last = time.monotonic()
                         out["ttft"] = out["ttft"] if out["ttft"] is not None else t_last - t0
@@ -190,6 +194,211 @@ def references(model: str, threads: int, conversations: list[list[dict]], max_to
     return out
 
 
+# --- --targets: issue #28's figures, side by side in one run ------------------------------------------------------
+
+LLAMA_SERVER = ROOT.parent / "ref" / "llama.cpp" / "build" / "bin" / "llama-server"  # benchmarks/build_llamacpp.sh
+
+
+def start_llama_server(binary: Path, model: str, threads: int, parallel: int, ctx: int) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own server on the same file: -np slots of ctx tokens each (its -c is shared by the slots)."""
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    p = subprocess.Popen([str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                          "-tb", str(threads), "-np", str(parallel), "-c", str(ctx * parallel), "--no-webui"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return p, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or p.poll() is not None:
+            p.kill()
+            raise SystemExit(f"llama-server did not start ({binary})")
+        time.sleep(0.2)
+
+
+def clients_at_once(url: str, prompts: list, max_tokens: int) -> dict:
+    """len(prompts) streaming clients started together: aggregate tok/s (tokens / wall), each one's time to first
+    token (sorted), their texts."""
+    res: list[dict] = [{} for _ in prompts]
+    go = threading.Barrier(len(prompts))
+
+    def client(i):
+        go.wait()
+        res[i] = stream_chat(url, prompts[i], max_tokens)
+
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    t0 = time.monotonic()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(900)
+    wall = time.monotonic() - t0
+    bad = [r.get("error") or "incomplete" for r in res if r.get("error") or not r.get("done")]
+    if bad:
+        raise SystemExit(f"a client failed: {bad[0]}")
+    tokens = sum(r["usage"]["completion_tokens"] for r in res)
+    return {"tokens": tokens, "wall_s": wall, "tps": tokens / wall, "ttft_s": sorted(r["ttft"] for r in res),
+            "texts": [r["text"] for r in res]}
+
+
+def metric(url: str, name: str) -> list[float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+
+
+def rss_mib(pid: int) -> float:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) / 1024
+
+
+def targets(args) -> dict:
+    """Paired rounds, the order alternating: pi-serve with one client alone and with 4 at once, llama-server -np 4
+    the same; then a planted ReLU model with predictors, one client and 4; then RSS after 10 and 1000 requests."""
+    from pinfer_llm.runtime.engine import resolve_model_path
+
+    model = str(resolve_model_path(args.model))
+    n, ctx = args.parallel, 1024
+    def prompts_for(r: int) -> list:  # new topics each round: no round reuses another's prompt from a slot
+        return [[{"role": "user", "content": f"Write a long story about {TOPICS[(n * r + i) % len(TOPICS)]}."}]
+                for i in range(n)]
+    servers = {"pinfer": start_server(model, args.threads, 8, ("--parallel", str(n), "-c", str(ctx)))}
+    llama = Path(args.llama_server)
+    if llama.exists():
+        servers["llama"] = start_llama_server(llama, model, args.threads, n, ctx)
+    rounds, asked = [], []
+    try:
+        for url in (u for _, u in servers.values()):
+            clients_at_once(url, [[{"role": "user", "content": "Hi."}]], 8)  # warm-up
+        for r in range(args.rounds):
+            ps = prompts_for(r)
+            asked += ps
+            rnd = {}
+            for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+                url = servers[name][1]
+                rnd[name + "_one"] = clients_at_once(url, ps[:1], args.max_tokens)
+                rnd[name + "_all"] = clients_at_once(url, ps, args.max_tokens)
+            rounds.append(rnd)
+    finally:
+        for p, _ in servers.values():
+            p.send_signal(signal.SIGINT)
+        for p, _ in servers.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    refs = references(model, args.threads, asked, args.max_tokens)  # pi-run --chat --temp 0 on each prompt
+    got = [t for rnd in rounds for t in rnd["pinfer_all"]["texts"]]
+    med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+    out = {"model": args.model, "threads": args.threads, "parallel": n, "max_tokens": args.max_tokens,
+           "rounds": args.rounds,
+           "pinfer_one_tps": med([rd["pinfer_one"]["tps"] for rd in rounds]),
+           "pinfer_all_tps": med([rd["pinfer_all"]["tps"] for rd in rounds]),
+           "pinfer_all_over_one": med([rd["pinfer_all"]["tps"] / rd["pinfer_one"]["tps"] for rd in rounds]),
+           "pinfer_last_ttft_s": med([rd["pinfer_all"]["ttft_s"][-1] for rd in rounds]),
+           "answers_equal_pi_run": sum(a == b for a, b in zip(got, refs, strict=True)), "answers": len(refs)}
+    if "llama" in servers:
+        out |= {"llama_one_tps": med([rd["llama_one"]["tps"] for rd in rounds]),
+                "llama_all_tps": med([rd["llama_all"]["tps"] for rd in rounds]),
+                "llama_all_over_one": med([rd["llama_all"]["tps"] / rd["llama_one"]["tps"] for rd in rounds]),
+                "llama_last_ttft_s": med([rd["llama_all"]["ttft_s"][-1] for rd in rounds]),
+                "pinfer_over_llama_all": med([rd["pinfer_all"]["tps"] / rd["llama_all"]["tps"] for rd in rounds]),
+                "ttft_last_pinfer_over_llama": med([rd["pinfer_all"]["ttft_s"][-1] / rd["llama_all"]["ttft_s"][-1]
+                                                    for rd in rounds])}
+    else:
+        out["llama"] = f"not run: no llama-server at {llama} (benchmarks/build_llamacpp.sh builds one)"
+    out["planted_relu"] = planted(args)
+    out["rss"] = rss_growth(model, args.threads, n)
+    return out
+
+
+def planted(args) -> dict:
+    """A planted ReLU model with predictors (sparsity_demo's), pi-serve --sparse: one client vs 4, completions."""
+    import sparsity_demo as sd
+
+    path = sd.default_path(sd.SHAPE, 0.9, 0.99)
+    sd.ensure_model(path, sd.parse_shape(sd.SHAPE), threads=args.threads, say=lambda msg: None)
+    p, url = start_server(str(path), args.threads, 8, ("--parallel", str(args.parallel), "-c", "1024", "--sparse"))
+    try:
+        stream_chat(url, "Warm up", 8)
+        ratios, one, all_ = [], [], []
+        for r in range(args.rounds):
+            ps = [f"Once upon a time, {TOPICS[(args.parallel * r + i) % len(TOPICS)]}" for i in range(args.parallel)]
+            a, b = clients_at_once(url, ps[:1], args.max_tokens), clients_at_once(url, ps, args.max_tokens)
+            one.append(a["tps"]), all_.append(b["tps"]), ratios.append(b["tps"] / a["tps"])
+        active = metric(url, "pinfer_ffn_active_fraction{")
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+    return {"model": path.name, "one_tps": round(statistics.median(one), 1),
+            "all_tps": round(statistics.median(all_), 1), "all_over_one": round(statistics.median(ratios), 3),
+            "neurons_computed_share": round(statistics.mean(active), 4) if active else None}
+
+
+def rss_growth(model: str, threads: int, n: int) -> dict:
+    """pi-serve's VmRSS after 10 and after 1000 short requests, n at a time."""
+    p, url = start_server(model, threads, 8, ("--parallel", str(n), "-c", "1024"))
+    try:
+        def burst(start, count):
+            with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+                lock, it = threading.Lock(), iter(range(start, start + count))
+
+                def worker():
+                    while True:
+                        with lock:
+                            i = next(it, None)
+                        if i is None:
+                            return
+                        body = {"messages": [{"role": "user", "content": f"Request {i}: say a number."}],
+                                "max_tokens": 4, "temperature": 0}
+                        h.post("/v1/chat/completions", json=body).raise_for_status()
+                ts = [threading.Thread(target=worker) for _ in range(n)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+        burst(0, 10)
+        after10 = rss_mib(p.pid)
+        t0 = time.monotonic()
+        burst(10, 990)
+        after1000 = rss_mib(p.pid)
+        took = time.monotonic() - t0
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+    return {"after_10_mib": round(after10, 1), "after_1000_mib": round(after1000, 1),
+            "growth": round(after1000 / after10 - 1, 4), "990_requests_s": round(took, 1)}
+
+
+def render_targets(t: dict) -> None:
+    print(f"pi-serve --parallel {t['parallel']}, {t['threads']} threads, {t['model']}, {t['max_tokens']} tokens per "
+          f"client, {t['rounds']} paired rounds (medians):")
+    print(f"  pinfer: one client {t['pinfer_one_tps']} tok/s, {t['parallel']} at once {t['pinfer_all_tps']} tok/s "
+          f"aggregate = {t['pinfer_all_over_one']}x (target >= 2.5); last client's first token "
+          f"{t['pinfer_last_ttft_s']} s (target <= 1.5)")
+    if "llama_all_tps" in t:
+        print(f"  llama-server -np {t['parallel']}: one {t['llama_one_tps']} tok/s, {t['parallel']} at once "
+              f"{t['llama_all_tps']} = {t['llama_all_over_one']}x; last first token {t['llama_last_ttft_s']} s")
+        print(f"  pinfer / llama-server aggregate {t['pinfer_over_llama_all']}x (target >= 1.0); last first token "
+              f"pinfer / llama {t['ttft_last_pinfer_over_llama']}x (target <= 1.0)")
+    else:
+        print(f"  llama-server: {t['llama']}")
+    print(f"  answers equal to pi-run's: {t['answers_equal_pi_run']} of {t['answers']}")
+    pr = t["planted_relu"]
+    print(f"  planted ReLU ({pr['model']}, --sparse): one {pr['one_tps']} tok/s, {t['parallel']} at once "
+          f"{pr['all_tps']} = {pr['all_over_one']}x (target >= 2); neurons computed per token and layer "
+          f"{pr['neurons_computed_share']}")
+    r = t["rss"]
+    print(f"  RSS after 10 requests {r['after_10_mib']} MiB, after 1000 {r['after_1000_mib']} MiB: "
+          f"{r['growth'] * 100:+.1f}% (target within 10%)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -199,7 +408,18 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--turn-tokens", type=int, default=48)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--targets", action="store_true", help="issue #28's figures instead: one client vs --parallel "
+                    "at once, against llama-server -np, a planted ReLU model, RSS over 1000 requests")
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
     args = ap.parse_args()
+    if args.targets:
+        if args.max_tokens == 32:
+            args.max_tokens = 128
+        t = targets(args)
+        print(json.dumps(t, indent=1)) if args.json else render_targets(t)
+        return
     turns = TURNS[:args.turns]
 
     proc, url = start_server(args.model, args.threads, queue=args.clients)

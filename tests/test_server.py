@@ -22,7 +22,7 @@ def served(tmp_path_factory):
     threads = torch.get_num_threads()
     d = tmp_path_factory.mktemp("serve")
     write_chat_model(d / "tiny-chat.gguf")
-    srv, slow = start_server(d / "tiny-chat.gguf", names=["tiny"], max_waiting=1)
+    srv, slow = start_server(d / "tiny-chat.gguf", names=["tiny"], max_waiting=1, parallel=1)  # one slot: the queue
     ref = load_model(d / "tiny-chat.gguf", threads=1)  # its own KV cache, for reference outputs
     yield srv, slow, ref
     srv.close()
@@ -210,7 +210,7 @@ def test_next_turn_reuses_the_cache(client, served):
     assert r1.choices[0].message.content == text1
     turn2 = turn1 + [{"role": "assistant", "content": text1}, {"role": "user", "content": "and then?"}]
     ids2 = encode_chat(ref.tokenizer, turn2)
-    held = ids1 + toks1  # the answer ran out of max_tokens, so its last token was forwarded too
+    held = ids1 + toks1[:-1]  # the answer's last token was sampled, never forwarded: not in the cache
     common = next((i for i, (a, b) in enumerate(zip(ids2, held, strict=False)) if a != b), min(len(ids2), len(held)))
     assert common > len(ids1)  # the answer's tokens are in the cache, not only the first prompt's
     _, text2 = reference(ref, ids2, 10)

@@ -151,15 +151,35 @@ def test_embeddings_through_the_openai_client(served, m):
                        floats["data"][0]["embedding"])
 
 
-def test_embeddings_leave_generations_as_they_were(http):
-    """The embedding pass writes the KV cache: a later answer must not reuse those keys as its own prefix."""
+def embeddings_between_turns(http) -> dict:
+    """A fresh answer, then the same turn again after an embedding pass: (the fresh text, the later response)."""
     turn = GOOD | {"messages": [{"role": "user", "content": "tell me about the sea and the sky"}], "max_tokens": 8}
     want = http.post(CHAT, json=turn | {"cache_prompt": False}).json()["choices"][0]["message"]["content"]  # fresh
-    http.post(CHAT, json=turn)  # the cache now holds this conversation...
-    assert http.post("/v1/embeddings", json={"input": "zq" * 40}).status_code == 200  # ...overwritten here
-    again = http.post(CHAT, json=turn).json()
+    http.post(CHAT, json=turn)  # a slot's cache now holds this conversation
+    assert http.post("/v1/embeddings", json={"input": "zq" * 40}).status_code == 200
+    return want, http.post(CHAT, json=turn).json()
+
+
+def test_embeddings_leave_generations_as_they_were(http):
+    """The embedding pass runs in the model's own KV cache, apart from the batch's slots: the next answer is a fresh
+    run's and still reuses its slot's prefix."""
+    want, again = embeddings_between_turns(http)
     assert again["choices"][0]["message"]["content"] == want
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_embeddings_clear_the_one_slot_that_is_the_models_cache(served, tmp_path):
+    """Without row-invariant numerics the one slot is the model's own cache, which the embedding pass overwrites: a
+    later answer must not reuse those keys as its own prefix."""
+    srv, _ = start_server(served[0].app.state.worker.m.file.path, load_kw={"row_invariant": False})
+    try:
+        assert srv.app.state.worker.parallel == 1
+        with httpx.Client(base_url=srv.url, timeout=30) as h:
+            want, again = embeddings_between_turns(h)
+        assert again["choices"][0]["message"]["content"] == want
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        srv.close()
 
 
 @pytest.mark.parametrize("body, needle, param", [

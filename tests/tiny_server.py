@@ -39,35 +39,39 @@ def write_chat_model(path, seed: int = 0, eos_row_from: int | None = None, **kw)
 
 
 class SlowModel:
-    """The model, with `delay` seconds after each generated token (0: full speed); `runs` counts the tokens each
-    generation yielded; `fail` makes the next generations fail, to test the server's answer to an internal error."""
+    """The model, with `delay` seconds after each batched forward pass, i.e. per generated token (0: full speed);
+    `fail` makes the next passes fail, to test the server's answer to an internal error; `torch_threads` is the
+    thread count the model's thread ran with. `runs` (the tokens of each recent generation) and `started` come from
+    the server's worker once start_server has attached it."""
 
     def __init__(self, m):
-        self.m, self.delay, self.runs, self.fail = m, 0.0, [], False
+        self.m, self.delay, self.fail, self.worker = m, 0.0, False, None
 
     def __getattr__(self, name):
         return getattr(self.m, name)
 
     def __setattr__(self, name, value):  # the model's state (cached_ids...) is the model's, not the wrapper's
-        if name in ("m", "delay", "runs", "fail", "torch_threads"):
+        if name in ("m", "delay", "fail", "torch_threads", "worker"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.m, name, value)
 
-    def generate(self, ids, **kw):
-        gen = self.m.generate(ids, **kw)
-        return self._slow(gen)
-
-    def _slow(self, gen):
+    def run_rows(self, *a, **kw):
         if self.fail:
             raise RuntimeError("planted failure")
         self.torch_threads = torch.get_num_threads()  # on the thread that runs the model
-        self.runs.append(0)
-        for tok in gen:
-            self.runs[-1] += 1
-            if self.delay:
-                time.sleep(self.delay)
-            yield tok
+        out = self.m.run_rows(*a, **kw)
+        if self.delay:
+            time.sleep(self.delay)
+        return out
+
+    @property
+    def runs(self) -> list[int]:
+        return [c[0] for c in self.worker.runs]
+
+    @property
+    def started(self) -> int:
+        return self.worker.started
 
 
 class RunningServer:
@@ -94,9 +98,12 @@ class RunningServer:
         self.thread.join(5)
 
 
-def start_server(path, config: dict | None = None, **app_kw) -> tuple[RunningServer, SlowModel]:
-    m = SlowModel(load_model(path, threads=1))
-    return RunningServer(create_app(m, threads=1, **app_kw), **(config or {})), m
+def start_server(path, config: dict | None = None, load_kw: dict | None = None,
+                 **app_kw) -> tuple[RunningServer, SlowModel]:
+    m = SlowModel(load_model(path, threads=1, **(load_kw or {})))
+    app = create_app(m, threads=1, **app_kw)
+    m.worker = app.state.worker
+    return RunningServer(app, **(config or {})), m
 
 
 def random_prompt(n: int, seed: int) -> list[int]:

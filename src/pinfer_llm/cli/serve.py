@@ -54,8 +54,10 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="TCP port (0: any free one, printed at start).")] = 8080,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = None,
     ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", help="Context length (KV cache size).")] = None,
-    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates; more get 503 "
-                                       "with Retry-After.")] = 8,
+    parallel: Annotated[int, typer.Option("-np", "--parallel", help="Requests decoded together in one batch, each "
+                                          "in its own KV cache slot (as llama-server's -np).")] = 4,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while every slot is generating; "
+                                       "more get 503 with Retry-After.")] = 8,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="PINFER_API_KEY", help="Require "
                                                 "'Authorization: Bearer KEY' (also from $PINFER_API_KEY).")] = None,
     strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse (404) a request naming another model; "
@@ -89,6 +91,8 @@ def serve(
         mode = ffn_mode(sparse, dense, oracle_masks)
         if queue < 0:
             raise PinferError(f"--queue must be >= 0, got {queue}")
+        if not 1 <= parallel <= 256:
+            raise PinferError(f"--parallel must be from 1 to 256, got {parallel}")
         if threads is not None and threads < 1:
             raise PinferError(f"--threads must be >= 1, got {threads}")
         if not timeout > 0:
@@ -114,7 +118,7 @@ def serve(
         # a server outlives the load it starts beside: warned about, the thread count left as asked
         warn_if_busy("pi-serve", m.threads, cores)
         app_ = create_app(m, names=[model], api_key=api_key, max_waiting=queue, threads=m.threads,
-                          strict_model=strict_model, cors=cors or (), pooling=pooling)
+                          strict_model=strict_model, cors=cors or (), pooling=pooling, parallel=parallel)
         run_uvicorn(app_, sock, m, app_.state.model_id, queue, bool(api_key), timeout, max_connections)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure becomes one line
         raise typer.Exit(report(e, verbose, prog="pi-serve")) from None
@@ -149,8 +153,10 @@ def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: b
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     gpu = m.hybrid_report()
     on = f", GPU {gpu['gpu']} ({gpu['placement']['name']})" if gpu else ""
+    slots = app_.state.worker.parallel
     print(f"pi-serve: {model_id} on {url}/v1 (context {m.ctx_size}, {m.threads} threads, FFN {m.ffn_mode}{on}, "
-          f"queue {queue}{', API key required' if auth else ''})", file=sys.stderr, flush=True)
+          f"{slots} slot{'s' if slots != 1 else ''}, queue {queue}{', API key required' if auth else ''})",
+          file=sys.stderr, flush=True)
     print(f"pi-serve: chat page on {url}/", file=sys.stderr, flush=True)
     config = uvicorn_config(app_, timeout=timeout, max_connections=max_connections, log_level="info",
                             timeout_graceful_shutdown=3)

@@ -29,7 +29,7 @@ from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.hybrid.executor import Split
 from pinfer_llm.runtime.hybrid.placement import Placement, check_placement
 from pinfer_llm.runtime.loader import load_transformer
-from pinfer_llm.runtime.model import Transformer
+from pinfer_llm.runtime.model import KVCache, Transformer
 from pinfer_llm.runtime.sampling import SamplingParams, make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch memory for long prompts
@@ -171,15 +171,52 @@ class Model:
                 outs.append(logits)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def reusable_prefix(self, ids: Sequence[int]) -> int:
-        """How many leading tokens of `ids` the KV cache already holds and may keep: at least one token is left to
-        prefill (its logits pick the first new token), REUSE_MIN_PREFILL if the prompt has that many."""
+    def reusable_prefix(self, ids: Sequence[int], cached: Sequence[int] | None = None) -> int:
+        """How many leading tokens of `ids` a KV cache holding `cached` (default: the model's own, cached_ids) may
+        keep: at least one token is left to prefill (its logits pick the first new token), REUSE_MIN_PREFILL if the
+        prompt has that many."""
+        cached = self.cached_ids if cached is None else cached
         # row-invariant numerics: any number of new rows gives a fresh run's bits; else a fresh run's kernel choice
         keep = 1 if self.row_invariant or len(ids) < REUSE_MIN_PREFILL else REUSE_MIN_PREFILL
-        n, limit = 0, min(len(self.cached_ids), len(ids) - keep)
-        while n < limit and self.cached_ids[n] == ids[n]:
+        n, limit = 0, min(len(cached), len(ids) - keep)
+        while n < limit and cached[n] == ids[n]:
             n += 1
         return n
+
+    # --- batched rows (runtime/generation/batch.py) -------------------------------------------------------------
+
+    def batchable(self) -> bool:
+        """Whether several sequences' rows may share a forward pass without changing any answer: row-invariant
+        numerics and every layer on the CPU (Transformer.forward_rows)."""
+        return self.row_invariant and self.transformer.batchable()
+
+    def new_cache(self) -> KVCache:
+        """Another KV cache shaped and typed as the model's own (pages are touched only as positions are written)."""
+        c = self.transformer.cache
+        return KVCache(self.cfg, c.max_ctx, c.k[0].dtype)
+
+    def batch_rows(self) -> int:
+        """Rows per batched forward: below the GEMM crossover when batchable (each row's bits its own), else a
+        prefill chunk of one sequence."""
+        return invariant_chunk(self) if self.batchable() else PREFILL_CHUNK
+
+    @torch.inference_mode()
+    def run_rows(self, tokens: Sequence[int], pos: Sequence[int], caches: list, out_rows: Sequence[int]
+                 ) -> torch.Tensor:
+        """One forward pass over rows of several sequences: row t is token tokens[t] at position pos[t] of KV cache
+        caches[t] (a cache's rows in position order) -> the logits of rows out_rows, [len(out_rows), vocab]. Without
+        batchable(): one sequence's consecutive rows in the model's own cache, as Model.generate runs them."""
+        if self.batchable():
+            return self.transformer.forward_rows(torch.tensor(list(tokens), dtype=torch.long),
+                                                 torch.tensor(list(pos), dtype=torch.long), caches,
+                                                 torch.tensor(list(out_rows), dtype=torch.long))
+        tr = self.transformer
+        if any(c is not tr.cache for c in caches) or list(pos) != list(range(pos[0], pos[0] + len(pos))):
+            raise PinferError("without batchable numerics a forward takes one sequence's rows in the model's cache")
+        kw = {"row_invariant": True} if self.row_invariant else {}
+        last_only = list(out_rows) in ([], [len(tokens) - 1])  # a prompt chunk or a decode row: no other logits
+        logits = tr.forward(torch.tensor(list(tokens), dtype=torch.long), pos[0], all_logits=not last_only, **kw)
+        return logits[:len(out_rows)] if last_only else logits[list(out_rows)]
 
     @torch.inference_mode()
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:

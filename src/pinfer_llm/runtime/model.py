@@ -34,6 +34,7 @@ from pinfer_llm.formats.config import ModelConfig
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import step as cpu_step
+from pinfer_llm.runtime.ffn.dense import DenseFFN
 from pinfer_llm.runtime.linear import Embedding, Linear
 
 
@@ -146,6 +147,48 @@ class Transformer:
         if not all_logits:
             x = x[-1:]
         return self.output(self.norm(x, self.output_norm))
+
+    def batchable(self) -> bool:
+        """Whether forward_rows applies: the C++ kernels, every layer's attention on the CPU."""
+        return self.fused and all(b.attn_dev is None for b in self.blocks)
+
+    def forward_rows(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache],
+                     out_rows: torch.Tensor) -> torch.Tensor:
+        """A batch: tokens [T], row t at position pos[t] of the KV cache caches[t] (a cache's rows in position order:
+        several sequences' decode steps, a prompt's rows, or both) -> logits [len(out_rows), vocab] of the rows
+        out_rows. Row t's logits and cache rows are the bits it gets alone, as a decode step or in a row-invariant
+        prefill: fewer rows than the kernels' GEMM crossover, attention row by row, a neuron-major FFN row by row
+        over its own neurons (the C++ step does the same in one call, csrc/step.cpp decode_rows)."""
+        if not self.batchable():
+            raise PinferError("batched rows need the C++ kernels and every layer's attention on the CPU")
+        x = self.tok_embd(tokens)
+        if self.pos_embd is not None:
+            x = x + self.pos_embd(pos + C.OPT_POS_OFFSET)
+        if self.use_step and (step := self.decode_step()) is not None:
+            return step.rows(x, pos, caches, out_rows)
+        cfg = self.cfg
+        H, Hkv, D, neox = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope == "neox"
+        ps = pos.tolist()
+        for li, b in enumerate(self.blocks):
+            xa = self.norm(x, b.attn_norm)
+            qkv = b.wqkv(xa)
+            if b.bqkv is not None:
+                qkv += b.bqkv
+            qkv = qkv.contiguous()
+            heads = torch.cat([torch.ops.pinfer.attend_decode(qkv[t:t + 1], self.rope_cs[p], c.k[li], c.v[li], p, H,
+                                                              Hkv, self.scale, neox=neox).view(1, H * D)
+                               for t, (p, c) in enumerate(zip(ps, caches, strict=True))])
+            y = x + self.out_proj(b, heads)
+            if b.parallel:
+                xf, resid = (xa if b.ffn_norm is b.attn_norm else self.norm(x, b.ffn_norm)), x
+            else:
+                xf, resid = self.norm(y, b.ffn_norm), y
+            if type(b.ffn) is DenseFFN and b.ffn.down is not None:
+                f = self.ffn(b, xf, resid)  # qmatmul's rows are independent below GEMM_MIN_T
+            else:  # each row its own neurons, as its decode step computes them
+                f = torch.cat([self.ffn(b, xf[t:t + 1], resid[t:t + 1]) for t in range(x.shape[0])])
+            x = y + f
+        return self.output(self.norm(x[out_rows], self.output_norm))
 
     def decode_step(self) -> cpu_step.DecodeStep | None:
         """The fused decode step for the blocks as they are now (rebuilt when a block's FFN or attention object was

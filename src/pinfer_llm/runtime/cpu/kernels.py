@@ -284,6 +284,18 @@ def available() -> bool:
     return _state["ok"]
 
 
+def set_threads(n: int) -> None:
+    """torch.set_num_threads(n) for the calling thread, the kernels' loops included. ATen gives a thread the
+    process-wide thread count on its first parallel loop, checked by an inline function with a thread_local flag of
+    which the kernel library has its own copy: a thread that set its count before the kernels' first loop would get
+    the process-wide count then (pi-serve's model thread ran its kernels on the main thread's count). So one tiny
+    kernel runs first, then the count is set."""
+    torch.get_num_threads()
+    if available():
+        torch.ops.pinfer.rms_norm(torch.ones(1, 8), torch.ones(8), 1e-5)
+    torch.set_num_threads(n)
+
+
 def built_here() -> bool:
     """Whether this process compiled the runtime's kernels (the first run on a machine) rather than loading them."""
     return NAMESPACE in _built

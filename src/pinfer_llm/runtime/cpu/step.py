@@ -71,6 +71,7 @@ class DecodeStep:
 
     def __init__(self, tr, native, blocks_sig: list, sparse_stats: list):
         self.native, self.sig, self.sparse_stats = native, blocks_sig, sparse_stats
+        self.slots = {id(tr.cache): (0, tr.cache)}  # KV cache -> its slot in the native step (held, so ids stay unique)
 
     def matches(self, blocks) -> bool:
         return len(blocks) * 2 == len(self.sig) and all(map(operator.is_, self.sig, _objects(blocks)))
@@ -78,11 +79,28 @@ class DecodeStep:
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x [1, d] float32 (the token's embedding) at position pos -> logits [1, vocab]; writes the KV cache."""
         logits = self.native.run(x.float().contiguous(), pos)
+        self._count(1)
+        return logits
+
+    def rows(self, x: torch.Tensor, pos: torch.Tensor, caches: list, out_rows: torch.Tensor) -> torch.Tensor:
+        """x [T, d] float32, row t at position pos[t] of KV cache caches[t] (runtime/model.py KVCache) -> logits of the
+        rows out_rows [k] ([k, vocab]); writes the caches. Each row's bits are its `__call__`'s alone."""
+        slot = torch.tensor([self._slot(c) for c in caches], dtype=torch.long)
+        logits = self.native.run_rows(x.float().contiguous(), pos, slot, out_rows)
+        self._count(x.shape[0])
+        return logits
+
+    def _slot(self, cache) -> int:
+        got = self.slots.get(id(cache))
+        if got is None:
+            got = self.slots[id(cache)] = (self.native.add_cache(cache.k, cache.v), cache)
+        return got[0]
+
+    def _count(self, tokens: int) -> None:
         if self.sparse_stats:
             active = self.native.take_active().tolist()
             for li, st in self.sparse_stats:
-                st.add_counts(1, active[li])
-        return logits
+                st.add_counts(tokens, active[li])
 
 
 def _objects(blocks):

@@ -104,7 +104,8 @@ def routes(s: Served) -> dict[str, tuple[Callable, list[str], bool]]:
         return JSONResponse(out)
 
     async def metrics(request: Request):
-        text = s.metrics.prometheus(generating=s.slots.busy, waiting=s.worker.waiting, slots=s.slots.n)
+        text = s.metrics.prometheus(generating=s.slots.busy, waiting=s.worker.waiting, slots=s.slots.n,
+                                    ffn_active=m.sparsity())
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def embeddings(request: Request):
@@ -136,7 +137,7 @@ def routes(s: Served) -> dict[str, tuple[Callable, list[str], bool]]:
             rec.endpoint, rec.prompt_tokens = "embeddings", sum(map(len, all_ids))
         if s.worker.full():
             raise s.busy()
-        job = await s.worker.submit(lambda cancel: iter([embed(m, all_ids, s.pooling)]))
+        job = s.worker.submit(lambda cancel: iter([embed(m, all_ids, s.pooling)]))
         vecs = None
         try:
             async for item in job:

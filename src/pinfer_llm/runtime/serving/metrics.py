@@ -1,17 +1,16 @@
 """What pi-serve counts: one record per request (for its log line and `timings`), the running totals behind
 /metrics (Prometheus' text format), and which generation holds which slot (/slots).
 
-A generation is observed from the outside: observe() wraps the function that produces its items (text deltas, then
-a final record with finish_reason and usage) and stamps the time its turn came, its first text and its end. The
-prompt and generation times come from the final record's own `timings` when it has them, else from the model's
-Stats of that generation.
+A generation is observed by an Observer the model's thread calls (serving/worker.py): the time it got its slot, its
+first text and its end. The prompt and generation times come from the final record's own `timings` when it has
+them, else from the model's Stats of that generation.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ RATE_WINDOW = 16  # the tok/s gauge: generated tokens over generation time of th
 
 @dataclass
 class RequestRecord:
-    """One request, from its arrival: filled in by the handler (what it asked) and observe() (what it got)."""
+    """One request, from its arrival: filled in by the handler (what it asked) and an Observer (what it got)."""
     method: str
     path: str
     client: str = "-"
@@ -61,18 +60,17 @@ class RequestRecord:
 
 
 class Slots:
-    """Which generation runs in which of `n` slots: the lowest free one is taken when a generation's turn comes."""
+    """Which generation runs in which of the batch's `n` slots (the batch picks it: the one whose cache shares most of
+    the prompt)."""
 
     def __init__(self, n: int):
         self.n = n
         self._held: dict[int, RequestRecord] = {}
         self._lock = threading.Lock()
 
-    def take(self, rec: RequestRecord) -> int:
+    def hold(self, i: int, rec: RequestRecord) -> None:
         with self._lock:
-            i = next(i for i in range(len(self._held) + 1) if i not in self._held)
             self._held[i] = rec
-            return i
 
     def release(self, i: int) -> None:
         with self._lock:
@@ -119,7 +117,7 @@ class Metrics:
                 self.ttft_sum += rec.ttft
                 self.ttft_n += 1
 
-    def prometheus(self, generating: int, waiting: int, slots: int) -> str:
+    def prometheus(self, generating: int, waiting: int, slots: int, ffn_active: list[float] | None = None) -> str:
         """The text exposition format (version 0.0.4)."""
         with self._lock:
             out: list[str] = []
@@ -153,6 +151,10 @@ class Metrics:
             metric("requests_generating", "gauge", "Requests holding a slot now.", [("", generating)])
             metric("requests_waiting", "gauge", "Requests queued for a slot now.", [("", waiting)])
             metric("slots", "gauge", "Slots (requests generated at once).", [("", slots)])
+            if ffn_active is not None:  # a sparse model: activation locality at work
+                metric("ffn_active_fraction", "gauge", "Share of FFN neurons computed per token and layer since the "
+                       "start (each token its own neurons), by layer.",
+                       [(f'{{layer="{i}"}}', float(f)) for i, f in enumerate(ffn_active)])
             return "\n".join(out) + "\n"
 
 
@@ -160,27 +162,32 @@ def _label(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def observe(produce: Callable[[threading.Event], Iterator[Any]], rec: RequestRecord, slots: Slots,
-            on_timings: Callable[[dict], None]) -> Callable[[threading.Event], Iterator[Any]]:
-    """produce, stamped: its turn, first text and end go into rec; the final record's usage and timings too
-    (on_timings gets the timings before the final record is passed on, so the response can carry them)."""
-    def wrapped(cancel: threading.Event) -> Iterator[Any]:
-        rec.started = time.perf_counter()
-        slot = slots.take(rec)
-        try:
-            for item in produce(cancel):
-                if isinstance(item, str):
-                    if rec.first_text is None and item:
-                        rec.first_text = time.perf_counter()
-                else:
-                    final(rec, item)
-                    if rec.timings is not None:
-                        on_timings(rec.timings)
-                yield item
-        finally:
-            rec.finished = time.perf_counter()
-            slots.release(slot)
-    return wrapped
+class Observer:
+    """One generation's stamps, called on the model's thread (serving/worker.py): its slot, first text, end; the
+    final record's usage and timings go into rec, and on_timings gets the timings before the final record is passed
+    on, so the response can carry them."""
+
+    def __init__(self, rec: RequestRecord, slots: Slots, on_timings: Callable[[dict], None]):
+        self.rec, self.slots, self.on_timings = rec, slots, on_timings
+        self.slot: int | None = None
+
+    def start(self, slot: int) -> None:
+        self.rec.started = time.perf_counter()
+        self.slot = slot
+        self.slots.hold(slot, self.rec)
+
+    def text(self, delta: str) -> None:
+        if self.rec.first_text is None and delta:
+            self.rec.first_text = time.perf_counter()
+
+    def end(self, item: Any) -> None:
+        self.rec.finished = time.perf_counter()
+        if item is not None:
+            final(self.rec, item)
+            if self.rec.timings is not None:
+                self.on_timings(self.rec.timings)
+        if self.slot is not None:
+            self.slots.release(self.slot)
 
 
 def final(rec: RequestRecord, item: Any) -> None:

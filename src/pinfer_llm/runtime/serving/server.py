@@ -5,7 +5,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, and llama-server's
 (endpoints.py): /tokenize, /detokenize, /props, /slots, /metrics, /v1/embeddings, the chat page at /. Requests are
 read on the event loop, then parsed and tokenised on a thread, so neither a 15 MB body nor a long prompt keeps
-/health or any other client waiting; generations then run on the ModelWorker's thread, in arrival order. Any
+/health or any other client waiting; generations then run on the ModelWorker's thread, up to `parallel` decoded
+together in one batch (continuous batching, worker.py), the rest queued in arrival order. Any
 `model` name is served with the loaded model (clients send their own names), unless strict_model. Every error,
 ours or unexpected, is answered in OpenAI's error shape, and a traceback goes only to the server's log. Each
 request gets one log line (access.py); CORS only for the origins in `cors`.
@@ -17,8 +18,7 @@ import contextlib
 import json
 import logging
 import secrets
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -32,11 +32,11 @@ from starlette.routing import Route
 
 from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.runtime.generation.chat import encode_chat
-from pinfer_llm.runtime.generation.textgen import TextGeneration
+from pinfer_llm.runtime.sampling import SamplingParams
 from pinfer_llm.runtime.serving import endpoints
 from pinfer_llm.runtime.serving.access import RECORD, AccessLog
 from pinfer_llm.runtime.serving.embeddings import POOLINGS
-from pinfer_llm.runtime.serving.metrics import Metrics, Slots, observe
+from pinfer_llm.runtime.serving.metrics import Metrics, Observer, Slots
 from pinfer_llm.runtime.serving.openai_api import (
     ApiError,
     GenRequest,
@@ -46,7 +46,7 @@ from pinfer_llm.runtime.serving.openai_api import (
     parse_chat,
     parse_completion,
 )
-from pinfer_llm.runtime.serving.worker import ModelWorker
+from pinfer_llm.runtime.serving.worker import Generation, ModelWorker
 
 log = logging.getLogger("pi-serve")
 RETRY_AFTER_S = 2  # what a refused client is told to wait: a few tokens' time frees a place in the queue
@@ -65,13 +65,13 @@ def model_names(m, extra: Sequence[str] = ()) -> list[str]:
 
 def create_app(m, names: Sequence[str] = (), api_key: str | None = None, max_waiting: int = 8,
                threads: int | None = None, strict_model: bool = False, cors: Sequence[str] = (),
-               pooling: str = "mean") -> Starlette:
+               pooling: str = "mean", parallel: int = 4) -> Starlette:
     if pooling not in POOLINGS:
         raise PinferError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     names = model_names(m, names)
     model_id = names[0]
-    worker = ModelWorker(threads=threads, max_waiting=max_waiting)
-    metrics, slots = Metrics(), Slots(getattr(worker, "parallel", 1))
+    worker = ModelWorker(m, threads=threads, max_waiting=max_waiting, parallel=parallel)
+    metrics, slots = Metrics(), Slots(worker.parallel)
     parsers = anyio.CapacityLimiter(PARSERS)
     # no token spells more characters than the longest one's text (a byte-level BPE token's text has a character
     # per byte, a text character takes at least one): text longer than ctx * longest cannot fit, and is refused
@@ -137,30 +137,27 @@ def create_app(m, names: Sequence[str] = (), api_key: str | None = None, max_wai
         if rec is not None:
             rec.endpoint = "chat" if resp.req.chat else "completion"
             rec.prompt_tokens = prompt_tokens
-            resp.produce = observe(resp.produce, rec, slots, lambda t: setattr(resp.reply, "timings", t))
+            resp.gen.observer = Observer(rec, slots, lambda t: setattr(resp.reply, "timings", t))
         return resp
 
     def busy() -> ApiError:
-        return ApiError(503, f"the server is busy: one request is generating and {worker.waiting} are waiting "
-                             f"(--queue {worker.max_waiting}); retry in a moment", type="server_error",
-                        code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ApiError(503, f"the server is busy: {worker.generating} requests are generating (--parallel "
+                             f"{worker.parallel}) and {worker.waiting} are waiting (--queue {worker.max_waiting}); "
+                             f"retry in a moment", type="server_error", code="server_busy",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def start(req: GenRequest, ids: list[int]) -> GenerationResponse:
         check_prompt(ids, req)
         if worker.full():
-            raise ApiError(503, f"the server is busy: one request is generating and {worker.waiting} are waiting "
-                                f"(--queue {worker.max_waiting}); retry in a moment", type="server_error",
-                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise busy()
         room = m.ctx_size - len(ids)
         max_tokens = room if req.max_tokens is None else min(req.max_tokens, room)
-
-        def produce(cancel: threading.Event) -> Iterator[str | TextGeneration]:
-            g = TextGeneration(m, ids, stop=req.stop, cancel=cancel, max_tokens=max_tokens,
-                               reuse_prefix=req.cache_prompt, **req.sampling())
-            yield from g
-            yield g  # the last item: finish reason and usage
-
-        return GenerationResponse(worker, req, Reply(req.chat, model_id), produce)
+        try:
+            sampling = SamplingParams(**req.sampling())
+        except PinferError as e:  # parse_chat/parse_completion check each value; this is the sampler's own word
+            raise ApiError(400, str(e)) from None
+        gen = Generation(ids, max_tokens, sampling, stop=req.stop, reuse_prefix=req.cache_prompt)
+        return GenerationResponse(worker, req, Reply(req.chat, model_id), gen)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [model_card()]})
@@ -176,8 +173,8 @@ def create_app(m, names: Sequence[str] = (), api_key: str | None = None, max_wai
                          "threads": threads or m.threads}}
 
     async def health(request: Request):
-        return JSONResponse({"status": "ok", "model": model_id, "generating": worker.busy,
-                             "waiting": worker.waiting})
+        return JSONResponse({"status": "ok", "model": model_id, "generating": worker.generating,
+                             "waiting": worker.waiting, "slots": worker.parallel})
 
     def guarded(fn, public: bool = False):
         """Auth, then fn; every error becomes an OpenAI-shaped response, never a traceback."""
@@ -255,10 +252,10 @@ def sse(obj) -> bytes:
 class GenerationResponse:
     """An ASGI response that waits for the model, generates, and answers as one JSON body or as server-sent events.
     It listens for the client's disconnect the whole time: a client that leaves while queued leaves the queue, one
-    that leaves while its answer is generated stops the generation at the next token."""
+    that leaves while its answer is generated leaves the batch at the next step."""
 
-    def __init__(self, worker: ModelWorker, req: GenRequest, reply: Reply, produce):
-        self.worker, self.req, self.reply, self.produce = worker, req, reply, produce
+    def __init__(self, worker: ModelWorker, req: GenRequest, reply: Reply, gen: Generation):
+        self.worker, self.req, self.reply, self.gen = worker, req, reply, gen
 
     async def __call__(self, scope, receive, send) -> None:
         job = None
@@ -268,7 +265,7 @@ class GenerationResponse:
             if self.req.stream:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": headers({"content-type": "text/event-stream; charset=utf-8"} | SSE_HEADERS)})
-            job = await self.worker.submit(self.produce)
+            job = self.worker.generate(self.gen)
             await (self.stream(job, send) if self.req.stream else self.whole(job, send))
 
         try:

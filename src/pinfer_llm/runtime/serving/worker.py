@@ -1,56 +1,59 @@
-"""The one thread that runs generations for pi-serve, one at a time, in arrival order.
+"""The one thread that runs the model for pi-serve: up to `parallel` generations decoded together (continuous
+batching, runtime/generation/batch.py), and the model's other work (embeddings) between their steps.
 
-The event loop must stay free for /health, queueing and other connections while a model generates, so generation
-runs on a worker thread (torch releases the GIL in its kernels). Its items (text deltas, then a final record) come
-back to the loop through an asyncio queue. The model is held from the moment a request's turn comes until the
-worker thread has really stopped, never just until the client went away: two generations must never share the KV
-cache. A cancelled job stops at the next token, so the next request waits at most one token for an abandoned one.
+The event loop must stay free for /health, queueing and other connections while the model runs, so the model runs
+on this thread (torch releases the GIL in its kernels). A generation's items (text deltas, then a final record) come
+back to the loop through an asyncio queue. A request joins the batch at the next step once a slot is free, in
+arrival order, and leaves when it is done, when a stop string matched, or at the next step after its client went
+away; one beyond the slots waits (pi-serve refuses it with a 503 beyond `max_waiting`).
 
-    worker = ModelWorker(threads=2, max_waiting=8)
+    worker = ModelWorker(m, threads=2, max_waiting=8, parallel=4)
     if worker.full(): ...refuse...
-    job = await worker.submit(lambda cancel: produce_items(cancel))    # waits for its turn (FIFO)
+    job = worker.generate(Generation(ids, max_tokens=64, sampling=SamplingParams(temperature=0.0)))
     try:
-        async for item in job: ...
+        async for item in job: ...       # str deltas, then a Finished
     finally:
         job.cancel()
+    job = worker.submit(lambda cancel: iter([embed(m, ids)]))   # exclusive work, between steps
+
+A generation's answer never depends on the others in its batch (batch.py says how); a model whose numerics are not
+row-invariant (GPU parts) gets one slot, and then generations run one at a time as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+from pinfer_llm.runtime.generation import batch as batching
+from pinfer_llm.runtime.generation.textgen import TextOut, usage
+from pinfer_llm.runtime.sampling import SamplingParams
+from pinfer_llm.runtime.serving.openai_api import timings as llama_timings
+
+log = logging.getLogger("pi-serve")
 _ITEM, _END, _ERROR = range(3)
+REASONS = {"stop": "stop", "length": "length", "context full": "length", "cancelled": "cancelled"}
 
 
 class Job:
-    """One generation on the worker thread, seen from the event loop."""
+    """One request's work on the model's thread, seen from the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, produce: Callable[[threading.Event], Iterator[Any]]):
-        self.loop, self.produce = loop, produce
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
         self.cancelled = threading.Event()
         self.items: asyncio.Queue = asyncio.Queue()  # unbounded: a slow client costs memory, never stalls the model
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def run(self) -> None:
-        """On the worker thread: produce items until done or cancelled."""
-        try:
-            if self.cancelled.is_set():  # the client left between its turn coming and the thread starting
-                return self._post(_END, None)
-            for item in self.produce(self.cancelled):
-                self._post(_ITEM, item)
-                if self.cancelled.is_set():
-                    break
-            self._post(_END, None)
-        except Exception as e:  # noqa: BLE001 - reported to the request, which answers with an error
-            self._post(_ERROR, e)
-
-    def _post(self, kind: int, value: Any) -> None:
+    def post(self, kind: int, value: Any = None) -> None:
         try:
             self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
         except RuntimeError:  # the loop has closed: the server is shutting down and nobody is listening
@@ -68,61 +71,237 @@ class Job:
         return value
 
 
+class ExclusiveJob(Job):
+    """produce(cancel) run alone on the model's thread, between batch steps."""
+
+    def __init__(self, loop, produce: Callable[[threading.Event], Iterator[Any]]):
+        super().__init__(loop)
+        self.produce = produce
+
+    def run(self) -> None:
+        try:
+            if not self.cancelled.is_set():  # else the client left while it waited
+                for item in self.produce(self.cancelled):
+                    self.post(_ITEM, item)
+                    if self.cancelled.is_set():
+                        break
+            self.post(_END)
+        except Exception as e:  # noqa: BLE001 - reported to the request, which answers with an error
+            self.post(_ERROR, e)
+
+
+@dataclass
+class Finished:
+    """A generation's last item: what an API response reports at its end."""
+    finish_reason: str
+    usage: dict
+    timings: dict
+    stop_string: str | None = None
+
+
+@dataclass
+class Generation:
+    """What a request asks of the batch: a checked prompt, its sampling and its stops. observer (optional): start(slot
+    index), text(delta), end(Finished or None) on the model's thread (serving/metrics.py Observer)."""
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    reuse_prefix: bool = True
+    observer: Any = None
+
+
+class GenerationJob(Job):
+    def __init__(self, loop, gen: Generation):
+        super().__init__(loop)
+        self.gen = gen
+        self.seq: batching.Sequence | None = None
+        self.out: TextOut | None = None
+        self.count: list[int] = [0]  # tokens generated, shared with ModelWorker.runs
+
+
 class ModelWorker:
-    def __init__(self, threads: int | None = None, max_waiting: int = 8):
-        self.threads, self.max_waiting = threads, max_waiting
-        self.waiting = 0  # requests waiting for their turn, not counting the one generating
-        self.current: Job | None = None
-        self._turn = asyncio.Lock()  # FIFO: asyncio wakes waiters in the order they came
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, m, threads: int | None = None, max_waiting: int = 8, parallel: int = 4,
+                 max_rows: int | None = None):
+        self.m, self.threads, self.max_waiting = m, threads, max_waiting
+        self.batch = batching.Batch(m, parallel, max_rows)
+        self.parallel = len(self.batch.slots)  # 1 where the model's numerics are not row-invariant
+        self.runs: collections.deque[list[int]] = collections.deque(maxlen=64)  # tokens of recent generations
+        self.started = 0  # generations that got a slot
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet in a slot or run
+        self._running = 0  # in a slot, or the exclusive job now running
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pi-serve-model", daemon=True)
         self._thread.start()
 
+    # --- seen from the event loop ---------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot or their turn."""
+        with self._lock:
+            return self._queued
+
+    @property
+    def generating(self) -> int:
+        with self._lock:
+            return self._running
+
     @property
     def busy(self) -> bool:
-        return self._turn.locked()
+        with self._lock:
+            return self._running + self._queued > 0
 
     def full(self) -> bool:
-        """True when a new request would find no place in the queue."""
-        return self.busy and self.waiting >= self.max_waiting
+        """True when a new request would find no slot and no place in the queue."""
+        with self._lock:
+            return self._running + self._queued >= self.parallel + self.max_waiting
 
-    async def submit(self, produce: Callable[[threading.Event], Iterator[Any]]) -> Job:
-        """Wait for this request's turn, then start produce(cancel_event) on the worker thread. Cancelling the
-        wait (the client went away) leaves the queue."""
-        self.waiting += 1
-        try:
-            await self._turn.acquire()
-        finally:
-            self.waiting -= 1
-        loop = asyncio.get_running_loop()
-        job = self.current = Job(loop, produce)
+    def generate(self, gen: Generation) -> GenerationJob:
+        job = GenerationJob(asyncio.get_running_loop(), gen)
+        self._enqueue(job)
+        return job
 
-        def run():
-            try:
-                job.run()
-            finally:
-                self.current = None
-                try:
-                    loop.call_soon_threadsafe(self._turn.release)
-                except RuntimeError:  # the loop has closed
-                    pass
-
-        self._jobs.put(run)
+    def submit(self, produce: Callable[[threading.Event], Iterator[Any]]) -> ExclusiveJob:
+        """produce(cancel_event) alone on the model's thread, in its turn between steps."""
+        job = ExclusiveJob(asyncio.get_running_loop(), produce)
+        self._enqueue(job)
         return job
 
     def close(self) -> None:
-        """Stop the current generation and the thread (at shutdown)."""
-        if self.current is not None:
-            self.current.cancel()
-        self._jobs.put(None)
+        """Stop every generation and the thread (at shutdown)."""
+        self._closed = True
+        self._inbox.put(None)
+
+    def _enqueue(self, job: Job) -> None:
+        with self._lock:
+            self._queued += 1
+        self._inbox.put(job)
+
+    # --- the model's thread ---------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self.threads:
-            # torch's thread count is per calling thread, and a thread's first torch call sets it from the last
-            # value set anywhere in the process: make that first call here, then set ours on the model's thread
-            import torch
+        if self.threads:  # torch's thread count is per calling thread: ours, on the model's thread
+            cpu_kernels.set_threads(self.threads)
+        waiting: collections.deque[Job] = collections.deque()  # arrival order, generations and exclusive jobs
+        jobs: dict[int, GenerationJob] = {}  # id(sequence) -> its job, for those in a slot
+        while True:
+            idle = not jobs and not waiting
+            try:
+                while True:  # everything that arrived; block only when there is nothing to do
+                    job = self._inbox.get(block=idle)
+                    idle = False
+                    if job is None:
+                        return self._shutdown(waiting, jobs)
+                    waiting.append(job)
+            except queue.Empty:
+                pass
+            self._admit(waiting, jobs)
+            if jobs:
+                self._step(jobs)
 
-            torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-        while (fn := self._jobs.get()) is not None:
-            fn()
+    def _admit(self, waiting: collections.deque, jobs: dict) -> None:
+        """In arrival order: generations into free slots; an exclusive job when it is first in line and may run
+        (the batch's slots are not the model's own cache, which it overwrites, or no generation is running)."""
+        while waiting:
+            job = waiting[0]
+            if job.cancelled.is_set():  # its client left while it waited: never run
+                waiting.popleft()
+                self._dequeued(running=False)
+                job.post(_END)
+                continue
+            if isinstance(job, ExclusiveJob):
+                if jobs and self.batch.uses_model_cache:
+                    return
+                waiting.popleft()
+                self._dequeued(running=True)
+                try:
+                    job.run()
+                finally:
+                    with self._lock:
+                        self._running -= 1
+                continue
+            if not self.batch.free_slots():
+                return
+            waiting.popleft()
+            g = job.gen
+            seq = batching.Sequence(list(g.ids), g.max_tokens, g.sampling, self.m.tokenizer.stop_ids,
+                                    reuse_prefix=g.reuse_prefix)
+            self.batch.admit(seq)
+            job.seq, job.out = seq, TextOut(self.m.tokenizer, g.stop)
+            jobs[id(seq)] = job
+            self.runs.append(job.count)
+            self.started += 1
+            self._dequeued(running=True)
+            if g.observer is not None:
+                g.observer.start(seq.slot.index)
+
+    def _step(self, jobs: dict) -> None:
+        for job in jobs.values():
+            if job.cancelled.is_set() and not job.seq.done:
+                job.seq.cancelled = True
+        try:
+            events = self.batch.step()
+        except Exception as e:  # noqa: BLE001 - every generation in the step fails; the server goes on
+            log.error("generation failed", exc_info=e)
+            self.batch.cancel_all()
+            for job in list(jobs.values()):
+                self._end(jobs, job, error=e)
+            return
+        for seq, tok in events:
+            job = jobs[id(seq)]
+            job.count[0] += 1
+            delta = job.out.push(tok)
+            if delta:
+                self._text(job, delta)
+            if job.out.finish_reason is not None and not seq.done:  # a stop string matched
+                self.batch.finish(seq, "stop")
+        for job in [j for j in jobs.values() if j.seq.done]:
+            self._end(jobs, job)
+
+    def _text(self, job: GenerationJob, delta: str) -> None:
+        if job.gen.observer is not None:
+            job.gen.observer.text(delta)
+        job.post(_ITEM, delta)
+
+    def _end(self, jobs: dict, job: GenerationJob, error: Exception | None = None) -> None:
+        seq = job.seq
+        del jobs[id(seq)]
+        with self._lock:
+            self._running -= 1
+        error = error or seq.error
+        fin = None
+        if error is None:
+            tail = job.out.end(REASONS.get(seq.stats.stop_reason, "length"))
+            if tail:
+                self._text(job, tail)
+            st = seq.stats
+            fin = Finished(job.out.finish_reason, usage(st.prompt_tokens, st.decode_tokens, st.reused_tokens),
+                           timings(st), job.out.stop_string)
+        if job.gen.observer is not None:
+            job.gen.observer.end(fin)
+        if error is not None:
+            job.post(_ERROR, error)
+        else:
+            if fin.finish_reason != "cancelled":
+                job.post(_ITEM, fin)
+            job.post(_END)
+
+    def _dequeued(self, running: bool) -> None:
+        with self._lock:
+            self._queued -= 1
+            self._running += running
+
+    def _shutdown(self, waiting: collections.deque, jobs: dict) -> None:
+        self.batch.cancel_all()
+        for job in list(jobs.values()):
+            self._end(jobs, job)
+        for job in waiting:
+            job.post(_END)
+
+
+def timings(st: batching.SeqStats) -> dict:
+    return llama_timings(st.prompt_tokens - st.reused_tokens, st.prompt_s, st.decode_tokens, st.decode_s,
+                         cache_n=st.reused_tokens)

@@ -35,58 +35,100 @@ void rotate(const float* src, KV* dst, const float* cs, int64_t D, bool neox) {
   }
 }
 
-}  // namespace
-
+// q rotated into q [H, D]; k rotated and v stored into the cache rows pos
 template <typename KV>
-void attend_decode(const float* qkv, const float* rope, KV* kc, KV* vc, int64_t ctx, int64_t D, int64_t pos,
-                   int64_t H, int64_t Hkv, float scale, bool neox, float* out) {
-  constexpr int TY = kv_type<KV>();
-  std::vector<float> q(H * D);
-  for (int64_t h = 0; h < H; ++h) rotate(qkv + h * D, q.data() + h * D, rope, D, neox);
+void store_row(const float* qkv, const float* rope, KV* kc, KV* vc, int64_t ctx, int64_t D, int64_t pos, int64_t H,
+               int64_t Hkv, bool neox, float* q) {
+  for (int64_t h = 0; h < H; ++h) rotate(qkv + h * D, q + h * D, rope, D, neox);
   for (int64_t g = 0; g < Hkv; ++g) {
     rotate(qkv + (H + g) * D, kc + (g * ctx + pos) * D, rope, D, neox);
     const float* v = qkv + (H + Hkv + g) * D;
     KV* vdst = vc + (g * ctx + pos) * D;
     for (int64_t i = 0; i < D; ++i) vdst[i] = to_kv<KV>(v[i]);
   }
-  const int64_t n = pos + 1, group = H / Hkv;
+}
+
+// one query head qh [D] against its kv head's rows 0..n-1 (kh, vh [n, D]) -> oh [D]; p: scratch
+template <typename KV>
+void attend_head(const float* qh, const KV* kh_, const KV* vh_, int64_t n, int64_t D, float scale, float* oh,
+                 std::vector<float>& p, std::vector<const uint8_t*>& vrows) {
+  constexpr int TY = kv_type<KV>();
   const int64_t row = D * (int64_t)sizeof(KV);
+  const uint8_t *kh = (const uint8_t*)kh_, *vh = (const uint8_t*)vh_;
+  p.resize(n);
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* kt = kh + t * row;
+    float s;
+    ftile<TY, 1, 1>(&kt, &qh, D, &s, 1);
+    p[t] = s * scale;
+    mx = std::max(mx, p[t]);
+  }
+  vf vsum_ = vzero();
+  int64_t t = 0;
+  for (; t + VW <= n; t += VW) {
+    const vf ev = exp_nonpos(vsub(vload(p.data() + t), vset1(mx)));
+    vstore(p.data() + t, ev);
+    vsum_ = vadd(vsum_, ev);
+  }
+  float sum = vsum(vsum_);
+  for (; t < n; ++t) sum += (p[t] = std::exp(p[t] - mx));
+  const float inv = 1.f / sum;
+  for (t = 0; t < n; ++t) p[t] *= inv;
+  std::fill(oh, oh + D, 0.f);
+  vrows.resize(n);  // value rows, several per pass (axpy_rows)
+  for (t = 0; t < n; ++t) vrows[t] = vh + t * row;
+  axpy_rows(TY, vrows.data(), n, p.data(), 0, 1, oh, 0, 0, D);
+}
+
+}  // namespace
+
+template <typename KV>
+void attend_decode(const float* qkv, const float* rope, KV* kc, KV* vc, int64_t ctx, int64_t D, int64_t pos,
+                   int64_t H, int64_t Hkv, float scale, bool neox, float* out) {
+  std::vector<float> q(H * D);
+  store_row(qkv, rope, kc, vc, ctx, D, pos, H, Hkv, neox, q.data());
+  const int64_t n = pos + 1, group = H / Hkv;
   // heads in parallel only when the context makes them worth a fork
   const int64_t grain = n * D * H < (1 << 16) ? H : 1;
   parallel_for(0, H, grain, [&](int64_t b, int64_t e) {
-    std::vector<float> p(n);
-    for (int64_t h = b; h < e; ++h) {
-      const float* qh = q.data() + h * D;
-      const uint8_t* kh = (const uint8_t*)(kc + (h / group) * ctx * D);
-      const uint8_t* vh = (const uint8_t*)(vc + (h / group) * ctx * D);
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < n; ++t) {
-        const uint8_t* kt = kh + t * row;
-        float s;
-        ftile<TY, 1, 1>(&kt, &qh, D, &s, 1);
-        p[t] = s * scale;
-        mx = std::max(mx, p[t]);
-      }
-      vf vsum_ = vzero();
-      int64_t t = 0;
-      for (; t + VW <= n; t += VW) {
-        const vf ev = exp_nonpos(vsub(vload(p.data() + t), vset1(mx)));
-        vstore(p.data() + t, ev);
-        vsum_ = vadd(vsum_, ev);
-      }
-      float sum = vsum(vsum_);
-      for (; t < n; ++t) sum += (p[t] = std::exp(p[t] - mx));
-      const float inv = 1.f / sum;
-      for (t = 0; t < n; ++t) p[t] *= inv;
-      float* oh = out + h * D;
-      std::fill(oh, oh + D, 0.f);
-      std::vector<const uint8_t*> vrows(n);  // value rows, several per pass (axpy_rows)
-      for (t = 0; t < n; ++t) vrows[t] = vh + t * row;
-      axpy_rows(TY, vrows.data(), n, p.data(), 0, 1, oh, 0, 0, D);
+    std::vector<float> p;
+    std::vector<const uint8_t*> vrows;
+    for (int64_t h = b; h < e; ++h)
+      attend_head(q.data() + h * D, kc + (h / group) * ctx * D, vc + (h / group) * ctx * D, n, D, scale,
+                  out + h * D, p, vrows);
+  });
+}
+
+template <typename KV>
+void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* rope, KV* const* kc, KV* const* vc,
+                 int64_t ctx, int64_t D, const int64_t* pos, int64_t H, int64_t Hkv, float scale, bool neox,
+                 float* out) {
+  // every row's key and value first, in order (row t reads only positions <= pos[t], which rows before it in the
+  // same cache wrote), then the T x H heads in one parallel loop: each head's sums are attend_decode's
+  std::vector<float> q(T * H * D);
+  int64_t work = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    store_row(qkv + t * qkv_stride, rope + pos[t] * D, kc[t], vc[t], ctx, D, pos[t], H, Hkv, neox,
+              q.data() + t * H * D);
+    work += (pos[t] + 1) * D * H;
+  }
+  const int64_t group = H / Hkv;
+  parallel_for(0, T * H, work < (1 << 16) ? T * H : 1, [&](int64_t b, int64_t e) {
+    std::vector<float> p;
+    std::vector<const uint8_t*> vrows;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t t = i / H, h = i % H;
+      attend_head(q.data() + i * D, kc[t] + (h / group) * ctx * D, vc[t] + (h / group) * ctx * D, pos[t] + 1, D,
+                  scale, out + i * D, p, vrows);
     }
   });
 }
 
+template void attend_rows<float>(int64_t, const float*, int64_t, const float*, float* const*, float* const*, int64_t,
+                                 int64_t, const int64_t*, int64_t, int64_t, float, bool, float*);
+template void attend_rows<uint16_t>(int64_t, const float*, int64_t, const float*, uint16_t* const*, uint16_t* const*,
+                                    int64_t, int64_t, const int64_t*, int64_t, int64_t, float, bool, float*);
 template void attend_decode<float>(const float*, const float*, float*, float*, int64_t, int64_t, int64_t, int64_t,
                                    int64_t, float, bool, float*);
 template void attend_decode<uint16_t>(const float*, const float*, uint16_t*, uint16_t*, int64_t, int64_t, int64_t,

@@ -108,6 +108,13 @@ std::vector<int64_t> predict_active(const float* x, const Mat& fc1, const Mat& f
 template <typename KV>
 void attend_decode(const float* qkv, const float* rope, KV* k_cache, KV* v_cache, int64_t ctx, int64_t D, int64_t pos,
                    int64_t H, int64_t Hkv, float scale, bool neox, float* out);
+// T rows at once, row t at position pos[t] of its own cache kc[t], vc[t] ([Hkv, ctx, D] each): qkv [T, qkv_stride],
+// rope the whole table [ctx, D/2, 2], out [T, H * D]. A slot's rows in position order. Each row's result is the
+// bits attend_decode gives it (the heads of every row in one parallel loop: one fork per layer, not per row).
+template <typename KV>
+void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* rope, KV* const* kc, KV* const* vc,
+                 int64_t ctx, int64_t D, const int64_t* pos, int64_t H, int64_t Hkv, float scale, bool neox,
+                 float* out);
 
 // --- norm.cpp --------------------------------------------------------------------------------------------------------
 void rms_norm(const float* x, const float* w, int64_t T, int64_t d, float eps, float* y);
@@ -171,5 +178,16 @@ struct StepScratch {
 // forward calls for one token, in its order, so the result is the same bits.
 void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int64_t l0, int64_t l1, const float* rope,
                    int64_t pos, float* x, int64_t* active, StepScratch& sc);
+// One KV cache's rows per layer ([Hkv, ctx, D] each, the layers' type): a batch's row reads and writes its own.
+struct SlotCache {
+  std::vector<void*> k, v;
+};
+// T rows through every layer at once (a batch: decode steps of several sequences, prompt rows, or both), row t at
+// position pos[t] in the cache slots[slot[t]]; x [T, d] updated in place. Each row's result is the bits decode_layers
+// gives it alone: the matmuls take T < GEMM_MIN_T rows (rows independent), attention runs row by row in the given
+// order (a prompt's rows in position order), a neuron-major FFN row by row over its own neurons.
+void decode_rows(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
+                 const float* rope, int64_t T, const int64_t* pos, const int64_t* slot, float* x, int64_t* active,
+                 StepScratch& sc);
 
 }  // namespace pinfer

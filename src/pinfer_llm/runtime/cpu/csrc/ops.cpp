@@ -399,7 +399,8 @@ struct DecodeStep : torch::CustomClassHolder {
   int64_t vocab = 0;
   std::vector<int64_t> active;
   StepScratch sc;
-  std::vector<float> xbuf, xo;
+  std::vector<float> xbuf, xo, xn;
+  std::vector<SlotCache> slots{1};  // slot 0: the caches add_attention was given; add_cache appends others
 
   DecodeStep(int64_t d, int64_t n_head, int64_t n_head_kv, double scale, bool neox, const at::Tensor& rope_cs) {
     TORCH_CHECK(d > 0 && n_head > 0 && n_head_kv > 0 && n_head % n_head_kv == 0, "DecodeStep: bad head counts");
@@ -464,6 +465,7 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(k_cache.size(1) <= rope.size(0), "the cache is longer than the rope table");
     keep.push_back(k_cache), keep.push_back(v_cache);
     L.k_cache = k_cache.data_ptr(), L.v_cache = v_cache.data_ptr(), L.kv_half = kt == at::kHalf;
+    slots[0].k.push_back(L.k_cache), slots[0].v.push_back(L.v_cache);
     L.ctx = k_cache.size(1);
     L.parallel = parallel;
     L.ffn_norm_shared = true;  // until set_ffn_norm
@@ -528,6 +530,60 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(vocab > 0, "DecodeStep: set_output first");
     for (const LayerStep& L : layers)
       TORCH_CHECK(L.up.p && (L.kind != FFN_PRED || L.fc1.p), "DecodeStep: a layer without its FFN");
+  }
+
+  // Another KV cache, one [Hkv, ctx, D] tensor per layer shaped and typed as the layers' own -> its slot number for
+  // run_rows (the caches are kept alive here)
+  int64_t add_cache(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
+    TORCH_CHECK(k.size() == layers.size() && v.size() == layers.size(), "add_cache: one k and one v per layer");
+    SlotCache c;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const LayerStep& L = layers[l];
+      for (const at::Tensor* t : {&k[l], &v[l]}) {
+        TORCH_CHECK(t->is_contiguous() && t->dim() == 3 && t->size(0) == shape.Hkv && t->size(1) == L.ctx &&
+                        t->size(2) == shape.D && t->scalar_type() == (L.kv_half ? at::kHalf : at::kFloat),
+                    "add_cache: layer ", l, "'s cache must be shaped and typed as the step's own");
+        keep.push_back(*t);
+      }
+      c.k.push_back(k[l].data_ptr()), c.v.push_back(v[l].data_ptr());
+    }
+    slots.push_back(std::move(c));
+    return (int64_t)slots.size() - 1;
+  }
+
+  // x [T, d]: T rows' embeddings, row t at position pos[t] of cache slot[t] (a slot's rows in position order) ->
+  // logits [k, vocab] of the rows out_rows [k]. Each row's logits and cache rows are the bits `run` gives it alone
+  // (step.cpp decode_rows), so which rows share a call never changes an answer.
+  at::Tensor run_rows(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& slot, const at::Tensor& out_rows) {
+    check_ready();
+    check_f32(x, "x");
+    const int64_t d = shape.d, T = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == d && T >= 1, "x: [T, d]");
+    TORCH_CHECK(T < GEMM_MIN_T, "run_rows: at most ", GEMM_MIN_T - 1, " rows (the kernels' rows stay independent)");
+    for (const at::Tensor* t : {&pos, &slot, &out_rows})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), "pos, slot, out_rows: int64");
+    TORCH_CHECK(pos.numel() == T && slot.numel() == T, "pos, slot: one per row");
+    const int64_t *p = pos.data_ptr<int64_t>(), *sl = slot.data_ptr<int64_t>(), *o = out_rows.data_ptr<int64_t>();
+    const int64_t ctx = layers.empty() ? 0 : layers[0].ctx;
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sl[t] >= 0 && sl[t] < (int64_t)slots.size(), "row ", t, ": no cache slot ", sl[t]);
+      TORCH_CHECK(p[t] >= 0 && p[t] < ctx, "row ", t, ": position ", p[t], " outside the cache");
+      for (int64_t u = 0; u < t; ++u)
+        TORCH_CHECK(sl[u] != sl[t] || p[u] < p[t], "rows ", u, " and ", t, ": a slot's rows in position order");
+    }
+    for (int64_t i = 0; i < out_rows.numel(); ++i) TORCH_CHECK(o[i] >= 0 && o[i] < T, "out_rows: row out of range");
+    xbuf.assign(x.data_ptr<float>(), x.data_ptr<float>() + T * d);
+    decode_rows(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc);
+    const int64_t k = out_rows.numel();
+    xo.resize(k * d);
+    for (int64_t i = 0; i < k; ++i) std::copy_n(xbuf.data() + o[i] * d, d, xo.data() + i * d);
+    at::Tensor logits = at::empty({k, vocab}, x.options());
+    if (k) {
+      xn.resize(k * d);
+      apply_norm(out_norm, xo.data(), k, d, xn.data());
+      qmatmul(xn.data(), k, d, out_w, logits.data_ptr<float>(), GEMM_MIN_T);
+    }
+    return logits;
   }
 
   // x [1, d]: the token's embedding at position pos -> logits [1, vocab]
@@ -627,6 +683,8 @@ TORCH_LIBRARY(PINFER_NS, m) {
       .def("set_predictor", &DecodeStep::set_predictor)
       .def("set_output", &DecodeStep::set_output)
       .def("run", &DecodeStep::run)
+      .def("add_cache", &DecodeStep::add_cache)
+      .def("run_rows", &DecodeStep::run_rows)
       .def("run_layers", &DecodeStep::run_layers)
       .def("ffn_subset", &DecodeStep::ffn_subset)
       .def("take_active", &DecodeStep::take_active);

@@ -117,4 +117,55 @@ void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int
   }
 }
 
+void decode_rows(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
+                 const float* rope, int64_t T, const int64_t* pos, const int64_t* slot, float* x, int64_t* active,
+                 StepScratch& sc) {
+  const int64_t d = s.d, D = s.D, nq = (s.H + 2 * s.Hkv) * D, hd = s.H * D;
+  sc.xa.resize(T * d), sc.xf.resize(T * d), sc.qkv.resize(T * nq), sc.heads.resize(T * hd), sc.y.resize(T * d);
+  sc.f.resize(T * d);
+  std::vector<void*> kp, vp;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerStep& L = layers[l];
+    apply_norm(L.attn_norm, x, T, d, sc.xa.data());
+    qmatmul(sc.xa.data(), T, d, L.qkv, sc.qkv.data(), GEMM_MIN_T);
+    if (L.bqkv)
+      for (int64_t t = 0; t < T; ++t) add(sc.qkv.data() + t * nq, L.bqkv, nq);
+    // each row in its own slot's cache; a prompt's rows in position order (csrc/attention.cpp attend_rows)
+    kp.resize(T), vp.resize(T);
+    for (int64_t t = 0; t < T; ++t) kp[t] = slots[slot[t]].k[l], vp[t] = slots[slot[t]].v[l];
+    if (L.kv_half)
+      attend_rows<uint16_t>(T, sc.qkv.data(), nq, rope, (uint16_t* const*)kp.data(), (uint16_t* const*)vp.data(),
+                            L.ctx, D, pos, s.H, s.Hkv, s.scale, s.neox, sc.heads.data());
+    else
+      attend_rows<float>(T, sc.qkv.data(), nq, rope, (float* const*)kp.data(), (float* const*)vp.data(), L.ctx, D,
+                         pos, s.H, s.Hkv, s.scale, s.neox, sc.heads.data());
+    qmatmul(sc.heads.data(), T, hd, L.wo, sc.y.data(), GEMM_MIN_T);
+    for (int64_t t = 0; t < T; ++t) {
+      float* yt = sc.y.data() + t * d;
+      const float* xt = x + t * d;
+      if (L.bo) add(yt, L.bo, d);
+      for (int64_t i = 0; i < d; ++i) yt[i] = xt[i] + yt[i];
+    }
+    const float* resid = L.parallel ? x : sc.y.data();
+    const float* xf = sc.xf.data();
+    if (L.parallel && L.ffn_norm_shared)
+      xf = sc.xa.data();
+    else
+      apply_norm(L.ffn_norm, resid, T, d, sc.xf.data());
+    if (L.kind == FFN_MM) {  // one pass over the weights for every row: ffn_mm's rows are independent below GEMM_MIN_T
+      ffn_mm(xf, T, d, L.gate, L.up, L.down, L.act, L.up_bias, sc.f.data());
+      active[l] += L.up.rows * T;
+    } else {  // each row its own neurons, through the one-token kernel its decode step would take
+      for (int64_t t = 0; t < T; ++t) active[l] += ffn_one(L, d, xf + t * d, resid + t * d, sc.f.data() + t * d);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      float* ft = sc.f.data() + t * d;
+      if (L.ffn_bias) add(ft, L.ffn_bias, d);
+      float* xt = x + t * d;
+      const float* yt = sc.y.data() + t * d;
+      for (int64_t i = 0; i < d; ++i) xt[i] = yt[i] + ft[i];
+    }
+  }
+}
+
 }  // namespace pinfer
