@@ -3,6 +3,11 @@ alone, in a batch of 4 different prompts, after a cached prefix of every length 
 prompt was cut into chunks; and one forward over several sequences' rows gives every row the logits it gets alone,
 to the bit, through the C++ step and through the Python forward."""
 
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -14,8 +19,10 @@ from pinfer_llm.formats.encoder import RawTensor
 from pinfer_llm.formats.model_writer import write_llama
 from pinfer_llm.runtime import load_model
 from pinfer_llm.runtime.generation.batch import Batch, Sequence
+from pinfer_llm.runtime.generation.chat import encode_chat
 from pinfer_llm.runtime.sampling import SamplingParams
 from tests.tiny import random_weights, tiny_config, to_powerinfer_layout
+from tests.tiny_server import start_server, write_chat_model
 
 N = 12  # tokens per answer
 
@@ -221,3 +228,85 @@ def test_model_without_row_invariance_gets_one_slot(model, refs):
         assert s[0].tokens == alone(model, PROMPTS[0])
     finally:
         model.row_invariant = True
+
+
+# --- pi-serve with --parallel 4 ---------------------------------------------------------------------------------------
+
+def stream_text(url, body) -> tuple[str, str | None, list[float]]:
+    """One streaming chat request from a thread: its text, finish reason, and the arrival times of its deltas."""
+    text, finish, times = "", None, []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ch = json.loads(line[6:])["choices"][0]
+                if ch["delta"].get("content"):
+                    text += ch["delta"]["content"]
+                    times.append(time.monotonic())
+                finish = ch.get("finish_reason") or finish
+    return text, finish, times
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    threads = torch.get_num_threads()
+    p = tmp_path_factory.mktemp("srv") / "chat.gguf"
+    write_chat_model(p)
+    srv, slow = start_server(p, parallel=4)
+    yield srv, slow, load_model(p, threads=1)
+    srv.close()
+    torch.set_num_threads(threads)
+
+
+TOPICS = ["the sea", "a cat", "trains", "the moon and the stars above the hills"]
+
+
+def test_server_decodes_four_clients_together(server):
+    """Four streams at once: each answer is pi-run's for its prompt (Model.generate in another model object), and
+    they were decoded in shared steps, their deltas interleaved."""
+    srv, slow, ref = server
+    worker = srv.app.state.worker
+    bodies = [{"messages": [{"role": "user", "content": f"tell me about {t}"}], "max_tokens": 24,
+               "temperature": 0} for t in TOPICS]
+    want = [ref.tokenizer.decode(list(ref.generate(encode_chat(ref.tokenizer, b["messages"]), max_tokens=24,
+                                                   temperature=0.0)), skip_special=True) for b in bodies]
+    steps0, rows0 = worker.batch.steps, worker.batch.rows_run
+    slow.delay = 0.01  # every step takes a while: the four requests surely overlap
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda b: stream_text(srv.url, b), bodies))
+    finally:
+        slow.delay = 0.0
+    assert [g[0] for g in got] == want
+    steps, rows = worker.batch.steps - steps0, worker.batch.rows_run - rows0
+    assert steps < rows / 2, (steps, rows)  # several rows per forward pass
+    first_done = min(g[2][-1] for g in got)
+    assert all(g[2][0] < first_done for g in got)  # every stream had begun before any had ended
+
+
+def test_a_client_leaving_leaves_the_batch_and_the_others_go_on(server):
+    srv, slow, ref = server
+    long = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 150, "temperature": 0}
+    other = {"messages": [{"role": "user", "content": "tell me about a cat"}], "max_tokens": 30, "temperature": 0}
+    want = ref.tokenizer.decode(list(ref.generate(encode_chat(ref.tokenizer, other["messages"]), max_tokens=30,
+                                                  temperature=0.0)), skip_special=True)
+    slow.delay = 0.02
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            def leave():
+                with httpx.stream("POST", srv.url + "/v1/chat/completions", json=long | {"stream": True},
+                                  timeout=30) as r:
+                    for i, _ in enumerate(r.iter_lines()):
+                        if i > 6:
+                            return  # closing the stream: the client has gone
+            f1, f2 = ex.submit(leave), ex.submit(stream_text, srv.url, other)
+            f1.result()
+            text, finish, _ = f2.result()
+    finally:
+        slow.delay = 0.0
+    assert text == want and finish == "length"
+    deadline = time.monotonic() + 5
+    while srv.app.state.worker.generating and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.app.state.worker.generating == 0
+    assert slow.runs[-2:] and min(slow.runs[-2:]) < 60  # the abandoned one stopped long before its 150 tokens
