@@ -56,16 +56,26 @@ void attend_head(const float* qh, const KV* kh_, const KV* vh_, int64_t n, int64
   const int64_t row = D * (int64_t)sizeof(KV);
   const uint8_t *kh = (const uint8_t*)kh_, *vh = (const uint8_t*)vh_;
   p.resize(n);
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) {
+  // the scores 8 keys per tile (8 independent FMA chains instead of one): each key's sum runs in the same order
+  // for any tile height, so the bits are the one-key tile's
+  constexpr int KR = 8;
+  int64_t t = 0;
+  for (; t + KR <= n; t += KR) {
+    const uint8_t* kt[KR];
+    for (int r = 0; r < KR; ++r) kt[r] = kh + (t + r) * row;
+    ftile<TY, KR, 1>(kt, &qh, D, p.data() + t, 1);
+  }
+  for (; t < n; ++t) {
     const uint8_t* kt = kh + t * row;
-    float s;
-    ftile<TY, 1, 1>(&kt, &qh, D, &s, 1);
-    p[t] = s * scale;
+    ftile<TY, 1, 1>(&kt, &qh, D, p.data() + t, 1);
+  }
+  float mx = -INFINITY;
+  for (t = 0; t < n; ++t) {
+    p[t] *= scale;
     mx = std::max(mx, p[t]);
   }
   vf vsum_ = vzero();
-  int64_t t = 0;
+  t = 0;
   for (; t + VW <= n; t += VW) {
     const vf ev = exp_nonpos(vsub(vload(p.data() + t), vset1(mx)));
     vstore(p.data() + t, ev);
