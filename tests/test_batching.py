@@ -206,6 +206,38 @@ def test_step_and_python_forward_agree(model):
     assert torch.equal(fused, python)
 
 
+@pytest.fixture(scope="module")
+def wide_relu(tmp_path_factory):
+    """A ReLU model in PowerInfer's layout wide enough (512 neurons) that the sparse kernels split their work across
+    two threads, in F32 and in Q4_0 (whose several-token axpy differs from its one-token one)."""
+    cfg = tiny_config(n_layer=2, n_ctx_train=256, n_ff=512, n_embd=128)
+    w = to_powerinfer_layout(cfg, random_weights(cfg), rank=32)
+    paths = {"f32": tmp_path_factory.mktemp("wide") / "f32.gguf", "q4_0": tmp_path_factory.mktemp("wide") / "q4.gguf"}
+    write_llama(paths["f32"], cfg, w, powerinfer=True)
+    q = {n: RawTensor(quants.quantize(a.astype(np.float32), T.Q4_0), T.Q4_0, a.shape)
+         if a.ndim == 2 and n != C.TOKEN_EMBD and "fc" not in n else a for n, a in w.items()}
+    write_llama(paths["q4_0"], cfg, q, powerinfer=True)
+    return paths
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("mode", ["oracle", "sparse"])
+def test_prefill_of_a_sparse_model_is_the_bits_of_its_decode_steps(wide_relu, qtype, mode):
+    """With two threads a prompt's chunked prefill gives each row the logits that row gets decoded alone: the
+    neuron-major FFN kernels split their (union of the rows') neuron list across threads by position, so a chunk
+    computes them one row at a time."""
+    threads = torch.get_num_threads()
+    try:
+        m = load_model(wide_relu[qtype], threads=2, ffn_act="relu", ffn_mode=mode)
+        ids = PROMPTS[3]
+        chunked = m.forward_logits(ids)
+        c = m.new_cache()
+        rows = torch.cat([m.run_rows([t], [i], [c], [0]) for i, t in enumerate(ids)]).numpy()
+        assert np.array_equal(chunked, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bad_rows_are_refused(model):
     m = model
     c = m.new_cache()

@@ -62,6 +62,12 @@ class BlockWeights:
     attn_dev: object = None  # runtime.hybrid.executor.DeviceAttention when this layer's attention runs on the GPU
 
 
+def _rows_independent(ffn) -> bool:
+    """Whether the FFN's rows are computed independently of each other below the GEMM crossover: the dense FFN over
+    ffn_down (qmatmul's 8-bit tiles), not the neuron-major kernels (PowerInfer's ffn_down_t, sparse FFNs)."""
+    return type(ffn) is DenseFFN and ffn.down is not None
+
+
 def rope_table(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
     """e^(i * pos * theta_j) as complex64 [max_pos, head_dim/2], positions divided by the linear rope factor. For a
     model without rotary embeddings (opt) every angle is 0: the C++ decode op then rotates by the identity."""
@@ -183,11 +189,8 @@ class Transformer:
                 xf, resid = (xa if b.ffn_norm is b.attn_norm else self.norm(x, b.ffn_norm)), x
             else:
                 xf, resid = self.norm(y, b.ffn_norm), y
-            if type(b.ffn) is DenseFFN and b.ffn.down is not None:
-                f = self.ffn(b, xf, resid)  # qmatmul's rows are independent below GEMM_MIN_T
-            else:  # each row its own neurons, as its decode step computes them
-                f = torch.cat([self.ffn(b, xf[t:t + 1], resid[t:t + 1]) for t in range(x.shape[0])])
-            x = y + f
+            self._rows_invariant = True  # Transformer.ffn: a neuron-major FFN row by row
+            x = y + self.ffn(b, xf, resid)
         return self.output(self.norm(x[out_rows], self.output_norm))
 
     def decode_step(self) -> cpu_step.DecodeStep | None:
@@ -222,7 +225,13 @@ class Transformer:
         return self.norm(y, b.ffn_norm), y, y
 
     def ffn(self, b: BlockWeights, xf: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        y = b.ffn(xf, resid)
+        if self._rows_invariant and xf.shape[0] > 1 and not _rows_independent(b.ffn):
+            # a neuron-major FFN kernel sums a row differently beside other rows (its index list split across
+            # threads by position, the union of the rows' neurons, the block types' several-token axpy): one row at
+            # a time, as its decode step computes it
+            y = torch.cat([b.ffn(xf[t:t + 1], resid[t:t + 1]) for t in range(xf.shape[0])])
+        else:
+            y = b.ffn(xf, resid)
         return y if b.ffn_bias is None else y + b.ffn_bias
 
     def norm(self, x: torch.Tensor, n: Norm) -> torch.Tensor:
