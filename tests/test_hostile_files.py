@@ -439,6 +439,45 @@ def test_holes_on_a_full_tmpfs_are_one_line_not_sigbus(tmp_path, full_tmpfs):
         f"holes (cp --sparse=never)"), (r.returncode, r.stderr)
 
 
+_TRUNCATED_WHILE_MAPPED = """
+import os, sys
+sys.argv[0] = "pi-run"
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+from pinfer_llm.formats import constants as C
+from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.model_writer import write_llama
+from pinfer_llm.runtime import load_model
+from tests.tiny import random_weights, tiny_config
+cfg = tiny_config(n_layer=2)
+w = {n: RawTensor(quants.quantize(a, T.Q4_0), T.Q4_0, a.shape) if a.ndim == 2 and n != C.TOKEN_EMBD else a
+     for n, a in random_weights(cfg).items()}  # Q4_0: read in place through the map
+write_llama(sys.argv[1], cfg, w)
+m = load_model(sys.argv[1], threads=1)
+print(list(m.generate([5, 6, 7], max_tokens=2, temperature=0.0, stop_ids=set())), flush=True)
+os.truncate(sys.argv[1], 4096)
+print(list(m.generate([5, 6, 7, 8], max_tokens=2, temperature=0.0, stop_ids=set())), flush=True)
+"""
+
+
+def test_a_model_truncated_while_mapped_is_one_line_not_sigbus(tmp_path):
+    """A mapped read whose page is gone (the file truncated while in use; a tmpfs hole once the tmpfs is full) was a
+    bus error, rc 135, that no Python code can catch: the kernels' SIGBUS handler prints one line and exits 1."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _TRUNCATED_WHILE_MAPPED, str(tmp_path / "m.gguf")], cwd=root,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.stdout.count("[") == 1, r.stdout  # the first answer, not the second
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"pi-run: error: {tmp_path / 'm.gguf'}: part of the file could not be read through its memory map (it was "
+        f"truncated or overwritten while in use, or its filesystem ran out of space): free space there, keep the "
+        f"file unchanged while pinfer uses it, and run again")
+
+
 def _planned(tmp_path: Path) -> Path:
     p = _profiled(tmp_path / "m.gguf")
     res = runner.invoke(plan_cli.app, ["plan", str(p), "--gpu", "rtx4090", "--cpu-cores", "2", "--cpu-bw", "20",

@@ -329,6 +329,7 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
         f = open_gguf(resolve_model_path(path))
     except PermissionError as e:
         raise PinferError(f"{e.filename or path}: permission denied: cannot read the model file") from None
+    cpu_kernels.guard_map(f)  # a read fault in the weights' map is one line, not a bus error
     cfg = config_from_gguf(f, ffn_act=ffn_act)
     tok = load_tokenizer(f)
     ctx = ctx_size if ctx_size is not None else min(cfg.n_ctx_train, 4096)

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -294,6 +295,29 @@ def set_threads(n: int) -> None:
     if available():
         torch.ops.pinfer.rms_norm(torch.ones(1, 8), torch.ones(8), 1e-5)
     torch.set_num_threads(n)
+
+
+def guard_map(f) -> bool:
+    """Make a read fault in the model file's memory map one line on stderr and exit status 1 instead of a bus error
+    (rc 135): its pages are gone when the file is truncated while mapped, or when it lives on a tmpfs that filled up
+    after a hole in it was mapped (a copy with holes). No Python code can catch that fault, so the handler is the
+    kernels' (on_sigbus in csrc/ops.cpp); without them a fault stays a bus error. `f` is a formats.reader.GGUFFile.
+    The guard goes when `f` is collected. Returns whether it is in place (not with 64 files mapped at once)."""
+    if not available():
+        return False
+    mm = f.mm
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    prog = prog if prog.startswith("pi-") else "pinfer"
+    path = str(f.path)
+    path = path if len(path) <= 300 else path[:150] + "..." + path[-150:]
+    line = (f"{prog}: error: {path}: part of the file could not be read through its memory map (it was truncated or "
+            f"overwritten while in use, or its filesystem ran out of space): free space there, keep the file "
+            f"unchanged while pinfer uses it, and run again")
+    addr = mm.ctypes.data
+    if not torch.ops.pinfer.guard_map(addr, mm.size, line):
+        return False
+    weakref.finalize(f, torch.ops.pinfer.unguard_map, addr)
+    return True
 
 
 def built_here() -> bool:

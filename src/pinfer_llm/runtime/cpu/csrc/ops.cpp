@@ -59,6 +59,8 @@
 //     activation (act as qffn_sparse's; up_bias added to u), qmatmul(h, [down]). What DenseFFN and the step run.
 // class DecodeStep (torch.classes.<ns>.DecodeStep): one token through every layer and the output head in one call;
 //     runtime/cpu/step.py builds it (its docstring has the methods) and holds the tensors it points into.
+// guard_map(addr, length, line) -> bool  a SIGBUS inside [addr, addr + length) prints line, exits 1 (on_sigbus)
+// unguard_map(addr)   the map at addr is gone: forget it
 // isa() -> str        the instruction-set path this build compiled ("avx512+vnni", "avx2", "portable", ...)
 // gemm_min_t() -> int  qmatmul's default crossover: 64 (AVX-512), 48 (AVX2), 4 (portable)
 #include <ATen/core/Tensor.h>
@@ -67,6 +69,12 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -643,6 +651,75 @@ struct DecodeStep : torch::CustomClassHolder {
   }
 };
 
+// --- a mapped model file's pages gone: one line, not a bus error -------------------------------------------------
+// Reading a memory map is a SIGBUS when the page behind it is gone: the file was truncated while mapped, or it lives
+// on a tmpfs that filled up after a hole in it was mapped. No Python code can catch that (the access re-executes
+// after a Python-level handler), so a handler here turns a fault inside a registered map into the registered one-line
+// message and exit status 1. A fault anywhere else restores the previous action and returns, so the access faults
+// again under it (the default bus error, or faulthandler's report).
+struct GuardedMap {
+  uintptr_t lo, hi;
+  char msg[1024];
+  size_t len;
+};
+constexpr int MAX_GUARDED = 64;
+GuardedMap guarded[MAX_GUARDED];
+std::atomic<int> n_guarded{0};
+std::mutex guard_mutex;
+struct sigaction previous_bus;
+
+void on_sigbus(int sig, siginfo_t* si, void* ctx) {
+  const uintptr_t a = (uintptr_t)si->si_addr;
+  const int n = n_guarded.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i)
+    if (a >= guarded[i].lo && a < guarded[i].hi) {
+      ssize_t w = ::write(2, guarded[i].msg, guarded[i].len);
+      (void)w;
+      ::_exit(1);
+    }
+  sigaction(SIGBUS, &previous_bus, nullptr);
+}
+
+// Register [addr, addr + length) with the line to print when a read there faults; the first call installs the
+// handler. The same address registered again gets the new line; unguard_map frees a slot (the file closed). False
+// when every slot is taken (64 files mapped at once): that map stays unguarded, never an error.
+bool guard_map_op(int64_t addr, int64_t length, const std::string& line) {
+  TORCH_CHECK(addr > 0 && length > 0, "guard_map: an empty range");
+  std::lock_guard<std::mutex> lock(guard_mutex);
+  const int n = n_guarded.load(std::memory_order_relaxed);
+  int i = 0;
+  while (i < n && guarded[i].lo != (uintptr_t)addr) ++i;
+  if (i == n)
+    for (i = 0; i < n && guarded[i].hi != 0; ++i) {
+    }
+  if (i == MAX_GUARDED) return false;
+  GuardedMap& g = guarded[i];
+  g.hi = 0;  // the handler matches nothing here while the slot changes
+  const std::string text = line.substr(0, sizeof g.msg - 2) + "\n";
+  std::memcpy(g.msg, text.data(), text.size());
+  g.len = text.size();
+  g.lo = (uintptr_t)addr;
+  std::atomic_thread_fence(std::memory_order_release);
+  g.hi = (uintptr_t)addr + (uintptr_t)length;
+  if (n == 0) {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    TORCH_CHECK(sigaction(SIGBUS, &sa, &previous_bus) == 0, "guard_map: sigaction failed");
+  }
+  if (i == n) n_guarded.store(n + 1, std::memory_order_release);
+  return true;
+}
+
+void unguard_map_op(int64_t addr) {
+  std::lock_guard<std::mutex> lock(guard_mutex);
+  const int n = n_guarded.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i)
+    if (guarded[i].lo == (uintptr_t)addr) guarded[i].hi = 0, guarded[i].lo = 0;
+}
+
 std::string isa_op() { return isa_name(); }
 int64_t gemm_min_t_op() { return GEMM_MIN_T; }
 
@@ -688,6 +765,8 @@ TORCH_LIBRARY(PINFER_NS, m) {
       .def("run_layers", &DecodeStep::run_layers)
       .def("ffn_subset", &DecodeStep::ffn_subset)
       .def("take_active", &DecodeStep::take_active);
+  m.def("guard_map(int addr, int length, str line) -> bool", &guard_map_op);
+  m.def("unguard_map(int addr) -> ()", &unguard_map_op);
   m.def("isa() -> str", &isa_op);
   m.def("gemm_min_t() -> int", &gemm_min_t_op);
 }
