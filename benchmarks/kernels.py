@@ -32,16 +32,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 _TREE = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an install
 
+from qblocks import weights  # noqa: E402
+
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels  # noqa: E402
 
 TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK = {2: 18, 3: 20, 8: 34}
 
 
 def cpu_model() -> str:
@@ -50,24 +50,6 @@ def cpu_model() -> str:
         return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
     except (OSError, StopIteration):
         return "unknown"
-
-
-def weights(rows: int, cols: int, t: int, seed: int) -> torch.Tensor:
-    """Random weights in type t as uint8 [rows, row_bytes], scales 0.01 (no subnormal or nan arithmetic)."""
-    rng = np.random.default_rng(seed)
-    if t not in BLOCK:
-        w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
-        if t == 1:
-            return torch.from_numpy(w.astype(np.float16).view(np.uint8))
-        if t == 30:
-            return torch.from_numpy((w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8))
-        return torch.from_numpy(w.view(np.uint8))
-    nb, bb = cols // 32, BLOCK[t]
-    raw = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
-    raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if t == 3:
-        raw[:, :, 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
-    return torch.from_numpy(raw.reshape(rows, nb * bb))
 
 
 def copies_for(nbytes: int, mem_mb: int) -> int:

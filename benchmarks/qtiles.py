@@ -22,23 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+from qblocks import weights
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK = {2: 18, 3: 20, 8: 34}
 SHAPES = [("qkv", 1728, 576), ("wo", 576, 576), ("gate+up", 3072, 576), ("down", 576, 1536)]
-
-
-def weights(rows: int, cols: int, t: int, seed: int) -> torch.Tensor:
-    """Random blocks of type t as uint8 [rows, row_bytes], scales 0.01 (Q4_1 min -0.05)."""
-    rng = np.random.default_rng(seed)
-    nb, bb = cols // 32, BLOCK[t]
-    raw = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
-    raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if t == 3:
-        raw[:, :, 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
-    return torch.from_numpy(raw.reshape(rows, nb * bb))
 
 
 def main() -> None:

@@ -1,0 +1,27 @@
+"""Random weights in ggml's encodings for the kernel benchmarks (kernels.py, qtiles.py): no pinfer import, so a
+benchmark that loads pinfer from another tree (qtiles.py --src) can use it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+BLOCK = {2: 18, 3: 20, 8: 34}  # bytes per 32-value block: Q4_0, Q4_1, Q8_0
+
+
+def weights(rows: int, cols: int, t: int, seed: int) -> torch.Tensor:
+    """Random weights in type t as uint8 [rows, row_bytes], scales 0.01 (no subnormal or nan arithmetic)."""
+    rng = np.random.default_rng(seed)
+    if t not in BLOCK:
+        w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+        if t == 1:
+            return torch.from_numpy(w.astype(np.float16).view(np.uint8))
+        if t == 30:
+            return torch.from_numpy((w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8))
+        return torch.from_numpy(w.view(np.uint8))
+    nb, bb = cols // 32, BLOCK[t]
+    raw = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if t == 3:
+        raw[:, :, 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
+    return torch.from_numpy(raw.reshape(rows, nb * bb))
