@@ -463,12 +463,13 @@ print(list(m.generate([5, 6, 7, 8], max_tokens=2, temperature=0.0, stop_ids=set(
 def test_a_model_truncated_while_mapped_is_one_line_not_sigbus(tmp_path):
     """A mapped read whose page is gone (the file truncated while in use; a tmpfs hole once the tmpfs is full) was a
     bus error, rc 135, that no Python code can catch: the kernels' SIGBUS handler prints one line and exits 1."""
+    import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", _TRUNCATED_WHILE_MAPPED, str(tmp_path / "m.gguf")], cwd=root,
-                       env={**__import__("os").environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
                        timeout=300)
     assert r.stdout.count("[") == 1, r.stdout  # the first answer, not the second
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])

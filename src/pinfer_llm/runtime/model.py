@@ -175,6 +175,7 @@ class Transformer:
         cfg = self.cfg
         H, Hkv, D, neox = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope == "neox"
         ps = pos.tolist()
+        self._rows_invariant = True  # Transformer.ffn: a neuron-major FFN row by row
         for li, b in enumerate(self.blocks):
             xa = self.norm(x, b.attn_norm)
             qkv = b.wqkv(xa)
@@ -189,7 +190,6 @@ class Transformer:
                 xf, resid = (xa if b.ffn_norm is b.attn_norm else self.norm(x, b.ffn_norm)), x
             else:
                 xf, resid = self.norm(y, b.ffn_norm), y
-            self._rows_invariant = True  # Transformer.ffn: a neuron-major FFN row by row
             x = y + self.ffn(b, xf, resid)
         return self.output(self.norm(x[out_rows], self.output_norm))
 
