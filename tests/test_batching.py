@@ -223,9 +223,9 @@ def wide_relu(tmp_path_factory):
 @pytest.mark.parametrize("qtype", ["f32", "q4_0"])
 @pytest.mark.parametrize("mode", ["oracle", "sparse"])
 def test_prefill_of_a_sparse_model_is_the_bits_of_its_decode_steps(wide_relu, qtype, mode):
-    """With two threads a prompt's chunked prefill gives each row the logits that row gets decoded alone: the
-    neuron-major FFN kernels split their (union of the rows') neuron list across threads by position, so a chunk
-    computes them one row at a time."""
+    """With two threads a prompt's chunked prefill gives each row the logits that row gets decoded alone, although
+    a chunk's FFN runs once over the union of its rows' neurons (runtime/cpu/csrc/sparse_ffn.cpp's batch
+    invariance: threads split the neurons by id ranges, the down rows summed in index order)."""
     threads = torch.get_num_threads()
     try:
         m = load_model(wide_relu[qtype], threads=2, ffn_act="relu", ffn_mode=mode)
@@ -234,6 +234,25 @@ def test_prefill_of_a_sparse_model_is_the_bits_of_its_decode_steps(wide_relu, qt
         c = m.new_cache()
         rows = torch.cat([m.run_rows([t], [i], [c], [0]) for i, t in enumerate(ids)]).numpy()
         assert np.array_equal(chunked, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("use_step", [True, False])
+@pytest.mark.parametrize("qtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("mode", ["oracle", "sparse"])
+def test_batched_rows_of_a_sparse_model_are_the_bits_of_each_alone(wide_relu, qtype, mode, use_step):
+    """Two threads, rows of three sequences in one forward (the C++ step's decode_rows, or the Python forward): the
+    FFN over the union of the rows' neurons gives each row its bits alone."""
+    threads = torch.get_num_threads()
+    try:
+        m = load_model(wide_relu[qtype], threads=2, ffn_act="relu", ffn_mode=mode)
+        m.transformer.use_step = use_step
+        caches, toks, pos, rows = mixed_rows(m)
+        together = m.run_rows(toks, pos, rows, list(range(5)))
+        caches, toks, pos, rows = mixed_rows(m)
+        each = torch.cat([m.run_rows([t], [p], [c], [0]) for t, p, c in zip(toks, pos, rows, strict=True)])
+        assert torch.equal(together, each)
     finally:
         torch.set_num_threads(threads)
 

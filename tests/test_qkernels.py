@@ -366,6 +366,42 @@ def test_qffn_sparse_mixed_types(ops, types):
     assert abs(count - ref["nonzero"]) <= ref["near"]
 
 
+@pytest.mark.parametrize("act", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", TYPES)
+def test_qffn_sparse_rows_are_the_bits_they_get_alone(ops, name, act):
+    """Batch invariance (sparse_ffn.cpp): T rows over the union of their neurons, each masked to its own, give each
+    row the bits the one-row call over its own neurons gives it; likewise every neuron (exact masks). On 2 threads,
+    which split the neurons between them; for several row counts, unions and a neuron count not a multiple of 8."""
+    t = TYPES[name]
+    rng = np.random.default_rng(100 * t + act)
+    n_ff, d = 301, 256
+    raws = [encode(rng, n_ff, d, t, 0.3) for _ in range(3)]
+    gate = place(raws[0], 7) if act <= 2 else None
+    up, down = place(raws[1], 11), place(raws[2], 13)
+    bias = torch.from_numpy(rng.standard_normal(n_ff).astype(np.float32) * 0.3) if act == 3 else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for T, share in ((2, 0.1), (3, 0.4), (8, 0.12), (17, 0.03)):
+            x = torch.from_numpy(rng.standard_normal((T, d)).astype(np.float32))
+            own = [np.flatnonzero(rng.random(n_ff) < share) for _ in range(T)]
+            union = np.unique(np.concatenate(own))
+            mask = torch.from_numpy(np.stack([np.isin(union, o) for o in own]))
+            y, count = ops.qffn_sparse(x, gate, t, up, t, down, t, torch.from_numpy(union), mask, act, bias, 0.0)
+            ye, count_e = ops.qffn_sparse(x, gate, t, up, t, down, t, None, None, act, bias, 0.0)
+            alone = 0
+            for r in range(T):
+                yr, c = ops.qffn_sparse(x[r:r + 1].clone(), gate, t, up, t, down, t, torch.from_numpy(own[r]), None,
+                                        act, bias, 0.0)
+                alone += c
+                assert torch.equal(y[r], yr[0]), f"T {T} row {r}: {(y[r] - yr[0]).abs().max():.3g}"
+                yr, c = ops.qffn_sparse(x[r:r + 1].clone(), gate, t, up, t, down, t, None, None, act, bias, 0.0)
+                assert torch.equal(ye[r], yr[0]), f"T {T} row {r}, every neuron: {(ye[r] - yr[0]).abs().max():.3g}"
+            assert count == alone
+    finally:
+        torch.set_num_threads(threads)
+
+
 def guarded_rows(raw: np.ndarray, readable: np.ndarray) -> tuple[torch.Tensor, mmap.mmap]:
     """raw's rows one per page of an anonymous mapping; the pages of rows not `readable` are PROT_NONE, so touching
     them kills the process: the proof that a kernel never reads them."""

@@ -99,9 +99,10 @@ def test_numbers_are_measured(planted, result):
     size = lambda t: sum(f.info(C.tensor(t, i)).nbytes for i in range(TINY["n_layer"]))  # noqa: E731
     gate, up_down, preds = size(C.FFN_GATE), size(C.FFN_UP) + size(C.FFN_DOWN_T), size(C.PRED_FC1) + size(C.PRED_FC2)
     fires = result["neurons_firing"]
-    assert dense["ffn_bytes_per_token"] == pytest.approx(gate + fires * up_down, abs=1)
+    assert dense["ffn_bytes_per_token"] == pytest.approx(gate + fires * up_down, abs=1 + 5e-5 * up_down)
+    # the shares are printed to 4 decimals: each may be off by 5e-5 of what it multiplies
     assert sparse["ffn_bytes_per_token"] == pytest.approx(preds + sparse["neurons_computed"] * gate
-                                                          + fires * up_down, abs=1)
+                                                          + fires * up_down, abs=1 + 5e-5 * (gate + up_down))
     assert sparse["ffn_bytes_per_token"] < dense["ffn_bytes_per_token"] < gate + up_down
     assert result["bytes_ratio"] == pytest.approx(dense["ffn_bytes_per_token"] / sparse["ffn_bytes_per_token"],
                                                   rel=1e-3)

@@ -35,6 +35,7 @@ from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import step as cpu_step
 from pinfer_llm.runtime.ffn.dense import DenseFFN
+from pinfer_llm.runtime.ffn.sparse import SparseFFN
 from pinfer_llm.runtime.linear import Embedding, Linear
 
 
@@ -62,10 +63,13 @@ class BlockWeights:
     attn_dev: object = None  # runtime.hybrid.executor.DeviceAttention when this layer's attention runs on the GPU
 
 
-def _rows_independent(ffn) -> bool:
-    """Whether the FFN's rows are computed independently of each other below the GEMM crossover: the dense FFN over
-    ffn_down (qmatmul's 8-bit tiles), not the neuron-major kernels (PowerInfer's ffn_down_t, sparse FFNs)."""
-    return type(ffn) is DenseFFN and ffn.down is not None
+def _invariant_rows(ffn, xf: torch.Tensor, resid: torch.Tensor) -> torch.Tensor | None:
+    """Several rows through the FFN as one call that gives each row its decode step's bits (DenseFFN and SparseFFN
+    .invariant_rows), or None where the FFN has none (then row by row). Only the exact class: a wrapper (profiler,
+    hybrid) may compute differently."""
+    if type(ffn) in (DenseFFN, SparseFFN):
+        return ffn.invariant_rows(xf, resid)
+    return None
 
 
 def rope_table(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
@@ -163,8 +167,9 @@ class Transformer:
         """A batch: tokens [T], row t at position pos[t] of the KV cache caches[t] (a cache's rows in position order:
         several sequences' decode steps, a prompt's rows, or both) -> logits [len(out_rows), vocab] of the rows
         out_rows. Row t's logits and cache rows are the bits it gets alone, as a decode step or in a row-invariant
-        prefill: fewer rows than the kernels' GEMM crossover, attention row by row, a neuron-major FFN row by row
-        over its own neurons (the C++ step does the same in one call, csrc/step.cpp decode_rows)."""
+        prefill: fewer rows than the kernels' GEMM crossover, attention row by row, a neuron-major FFN over the
+        union of the rows' neurons, each row masked to its own (the C++ step does the same in one call, csrc/step.cpp
+        decode_rows)."""
         if not self.batchable():
             raise PinferError("batched rows need the C++ kernels and every layer's attention on the CPU")
         x = self.tok_embd(tokens)
@@ -175,7 +180,7 @@ class Transformer:
         cfg = self.cfg
         H, Hkv, D, neox = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope == "neox"
         ps = pos.tolist()
-        self._rows_invariant = True  # Transformer.ffn: a neuron-major FFN row by row
+        self._rows_invariant = True  # Transformer.ffn: a neuron-major FFN's batch-invariant call
         for li, b in enumerate(self.blocks):
             xa = self.norm(x, b.attn_norm)
             qkv = b.wqkv(xa)
@@ -225,11 +230,11 @@ class Transformer:
         return self.norm(y, b.ffn_norm), y, y
 
     def ffn(self, b: BlockWeights, xf: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        if self._rows_invariant and xf.shape[0] > 1 and not _rows_independent(b.ffn):
-            # a neuron-major FFN kernel sums a row differently beside other rows (its index list split across
-            # threads by position, the union of the rows' neurons, the block types' several-token axpy): one row at
-            # a time, as its decode step computes it
-            y = torch.cat([b.ffn(xf[t:t + 1], resid[t:t + 1]) for t in range(xf.shape[0])])
+        if self._rows_invariant and xf.shape[0] > 1:
+            # each row the bits of its decode step: one batch-invariant call where the FFN has one, else row by row
+            y = _invariant_rows(b.ffn, xf, resid)
+            if y is None:
+                y = torch.cat([b.ffn(xf[t:t + 1], resid[t:t + 1]) for t in range(xf.shape[0])])
         else:
             y = b.ffn(xf, resid)
         return y if b.ffn_bias is None else y + b.ffn_bias

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pinfer_llm.runtime.cpu import qops
-from pinfer_llm.runtime.ffn.ops import FFNRows, activate, ffn_dense
+from pinfer_llm.runtime.ffn.ops import KERNEL_MAX_T, FFNRows, activate, ffn_dense
 from pinfer_llm.runtime.linear import Linear
 
 __all__ = ["DenseFFN", "activate"]
@@ -29,6 +29,16 @@ class DenseFFN:
 
     def down_proj(self, h: torch.Tensor) -> torch.Tensor:
         return self.down(h) if self.down is not None else self.rows.down(h)
+
+    def invariant_rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """T rows that get the bits each row's decode step gives it, or None (see SparseFFN.invariant_rows): ffn_mm's
+        rows are independent below the GEMM crossover; PowerInfer's ffn_down_t runs the sparse kernel over every
+        neuron, batch-invariant for as many tokens as it takes."""
+        if self.down is not None:
+            return self(x)
+        if self.rows.kernels and x.shape[0] <= KERNEL_MAX_T:
+            return ffn_dense(self.rows, x)
+        return None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: the ffn_norm output [T, d]; residual (the pre-norm input, which predictors read) is unused here."""

@@ -318,6 +318,13 @@ def _qffn(w: FFNRows, x: torch.Tensor, idx: torch.Tensor | None, row_mask: torch
         None if row_mask is None else row_mask.to(torch.bool).contiguous(), w.code, w.up_bias, cats)
 
 
+def ffn_qrows(w: FFNRows, x: torch.Tensor, idx: torch.Tensor | None, row_mask: torch.Tensor | None) -> torch.Tensor:
+    """The C++ kernel over the rows in place, whatever the token count: neurons idx (ascending; None: all), row t
+    masked by row_mask[t] (None: none masked). Row t's result is the bits the kernel gives it alone over its own
+    neurons (runtime/cpu/csrc/sparse_ffn.cpp, batch invariance)."""
+    return _qffn(w, x, idx, row_mask)[0]
+
+
 # --- sparse ------------------------------------------------------------------------------------------------------
 
 class _Workspace(threading.local):

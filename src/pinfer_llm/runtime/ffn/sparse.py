@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pinfer_llm.runtime.ffn.ops import FFNRows, ffn_exact, ffn_masked, ffn_sparse
+from pinfer_llm.runtime.ffn.ops import KERNEL_MAX_T, FFNRows, ffn_exact, ffn_masked, ffn_qrows, ffn_sparse
 from pinfer_llm.runtime.ffn.predictor import Predictor
 
 # A neuron whose profiled peak |activation| exceeds this many times its layer's median peak is an outlier ("massive
@@ -111,3 +111,30 @@ class SparseFFN:
         if x.shape[0] == 1:
             return ffn_sparse(self.w, x, mask[0].nonzero().view(-1))
         return ffn_masked(self.w, x, mask)
+
+    def invariant_rows(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor | None:
+        """T rows as one kernel call that gives each row the bits its decode step gives it (a row-invariant prefill
+        chunk or batch): the C++ kernel over the union of the rows' neurons, each row masked to its own, which by the
+        kernel's batch invariance (runtime/cpu/csrc/sparse_ffn.cpp) equals the row alone; the weights are read once
+        for all rows. None where that kernel does not serve this layer's decode step (the caller goes row by row)."""
+        w, T = self.w, x.shape[0]
+        if not (isinstance(w, FFNRows) and w.kernels and T <= KERNEL_MAX_T):
+            return None
+        if isinstance(self.masker, ReluOracleMasker | CatsOracleMasker):
+            cats = self.masker.threshold if isinstance(self.masker, CatsOracleMasker) else 0.0
+            done = ffn_exact(w, x, cats)
+            if done is None:
+                return None
+            self.stats.add_counts(T, done[1])
+            return done[0]
+        if not isinstance(self.masker, PredictorMasker):
+            return None
+        own = [self.masker.indices(w, x[t:t + 1], resid[t:t + 1]) for t in range(T)]  # as each decode step does
+        self.stats.add_counts(T, sum(i.numel() for i in own))
+        union = torch.unique(torch.cat(own))  # ascending
+        if union.numel() == 0:
+            return x.new_zeros(T, w.n_embd)
+        mask = torch.zeros(T, union.numel(), dtype=torch.bool)
+        for t, i in enumerate(own):
+            mask[t, torch.searchsorted(union, i)] = True
+        return ffn_qrows(w, x, union, mask)

@@ -118,7 +118,7 @@ void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out
 
 template <int TY>
 void axpy_rows_t(const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y, int64_t ys,
-                 int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next) {
+                 int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next, float* mb, int64_t mbs) {
   // each pass prefetches the rows of the following pass (or the caller's next rows) in step with its own
   const uint8_t* nx[AXPY_R];
   auto after = [&](int64_t i) -> const uint8_t* const* {
@@ -130,16 +130,16 @@ void axpy_rows_t(const uint8_t* const* rows, int64_t n, const float* h, int64_t 
     return nx;
   };
   int64_t i = 0;
-  for (; i + AXPY_R <= n; i += AXPY_R) axpy_tile<TY, AXPY_R>(rows + i, h + i, hs, T, y, ys, o0, o1, after(i));
+  for (; i + AXPY_R <= n; i += AXPY_R) axpy_tile<TY, AXPY_R>(rows + i, h + i, hs, T, y, ys, o0, o1, after(i), mb, mbs);
   const uint8_t* const* tail = n - i > 0 ? after(i) : nullptr;
   switch (n - i) {
-    case 1: axpy_tile<TY, 1>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
-    case 2: axpy_tile<TY, 2>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
-    case 3: axpy_tile<TY, 3>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
-    case 4: if constexpr (AXPY_R > 4) axpy_tile<TY, 4>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
-    case 5: if constexpr (AXPY_R > 5) axpy_tile<TY, 5>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
-    case 6: if constexpr (AXPY_R > 6) axpy_tile<TY, 6>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
-    case 7: if constexpr (AXPY_R > 7) axpy_tile<TY, 7>(rows + i, h + i, hs, T, y, ys, o0, o1, tail); break;
+    case 1: axpy_tile<TY, 1>(rows + i, h + i, hs, T, y, ys, o0, o1, tail, mb, mbs); break;
+    case 2: axpy_tile<TY, 2>(rows + i, h + i, hs, T, y, ys, o0, o1, tail, mb, mbs); break;
+    case 3: axpy_tile<TY, 3>(rows + i, h + i, hs, T, y, ys, o0, o1, tail, mb, mbs); break;
+    case 4: if constexpr (AXPY_R > 4) axpy_tile<TY, 4>(rows + i, h + i, hs, T, y, ys, o0, o1, tail, mb, mbs); break;
+    case 5: if constexpr (AXPY_R > 5) axpy_tile<TY, 5>(rows + i, h + i, hs, T, y, ys, o0, o1, tail, mb, mbs); break;
+    case 6: if constexpr (AXPY_R > 6) axpy_tile<TY, 6>(rows + i, h + i, hs, T, y, ys, o0, o1, tail, mb, mbs); break;
+    case 7: if constexpr (AXPY_R > 7) axpy_tile<TY, 7>(rows + i, h + i, hs, T, y, ys, o0, o1, tail, mb, mbs); break;
     default: break;
   }
 }
@@ -182,8 +182,9 @@ void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, fl
 }
 
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
-               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next) {
-  if (n > 0 && T > 0 && o1 > o0) PINFER_BY_TYPE(type, axpy_rows_t, rows, n, h, hs, T, y, ys, o0, o1, next, n_next)
+               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next, int64_t n_next, float* mb, int64_t mbs) {
+  if (n > 0 && T > 0 && o1 > o0)
+    PINFER_BY_TYPE(type, axpy_rows_t, rows, n, h, hs, T, y, ys, o0, o1, next, n_next, mb, mbs)
 }
 
 void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out) {

@@ -37,10 +37,14 @@ struct Acts {
 // fault).
 void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
               const uint8_t* const* next = nullptr, int64_t n_next = 0);
-// y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0);
-// next: as for dot_rows
+// y[t * ys + o] += sum_i h[t * hs + i] * rows[i][o] for o in [o0, o1), n rows, T tokens (block types: o0, o1 % 32 == 0),
+// row after row in index order; next: as for dot_rows. mb (block types): a [T, (o1 - o0) / 32] buffer, row stride mbs,
+// that takes the rows' per-block offset terms (Q4_1's mins, AVX2's Q4_0 -8) instead of y; the caller adds it to y
+// once after its last call. With it, token t's sums do not depend on how the rows were split into calls, nor on rows
+// whose h is 0 for t (quant.h axpy_blocks).
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
-               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next = nullptr, int64_t n_next = 0);
+               int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next = nullptr, int64_t n_next = 0,
+               float* mb = nullptr, int64_t mbs = 0);
 // rows [n] of a matrix as floats: out [n, cols]; ids == nullptr: rows 0..n-1
 void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out);
 // one row as floats, on the calling thread
@@ -185,7 +189,8 @@ struct SlotCache {
 // T rows through every layer at once (a batch: decode steps of several sequences, prompt rows, or both), row t at
 // position pos[t] in the cache slots[slot[t]]; x [T, d] updated in place. Each row's result is the bits decode_layers
 // gives it alone: the matmuls take T < GEMM_MIN_T rows (rows independent), attention runs row by row in the given
-// order (a prompt's rows in position order), a neuron-major FFN row by row over its own neurons.
+// order (a prompt's rows in position order), a neuron-major FFN once over the union of the rows' neurons, each row
+// masked to its own (sparse_ffn.cpp's batch invariance).
 void decode_rows(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
                  const float* rope, int64_t T, const int64_t* pos, const int64_t* slot, float* x, int64_t* active,
                  StepScratch& sc);

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -515,67 +516,73 @@ inline void qraw(const uint8_t* blk, vf* v) {
 }
 #endif
 
-// One token (the decode step's down rows): y += sum_r (h_r d_r) q_r + sum_r h_r m_r per block, the scale folded into
-// the row's coefficient so that each value costs one multiply-add (measured: Q4_0 axpy ~25% fewer cycles than
-// dequantising first; the dequantise-then-axpy form below is kept for several tokens, where it is converted once).
+// Block types: y_t += sum_r (h_tr d_r) q_r per block, each row's scale folded into its coefficient so that a value
+// costs one multiply-add (measured: Q4_0 ~25% fewer cycles than dequantising first), a block's raw values converted
+// once and applied to every token. A row's offset term (Q4_1's min, Q4_0's -8 where the nibbles are not unpacked as
+// q - 8) is one scalar per block, sum_r h_tr m_r: with mb (a [T, (o1 - o0) / 32] buffer from o0, row stride mbs) it is
+// chained into mb and the caller adds mb to y once at the end; without, it is added to y at the end of this pass.
+// Why mb: every value of y and of mb is then a chain of fused multiply-adds in row order, and a row whose coefficient
+// is 0 for token t leaves token t's chain unchanged. So token t's sums do not depend on how the rows were cut into
+// passes, nor on which rows (zero for t) other tokens brought in: the sparse FFN's batch invariance (sparse_ffn.cpp).
 template <int TY, int N>
-inline void axpy_blocks_1(const uint8_t* const* rows, const float* h, float* y, int64_t o0, int64_t o1,
-                          const uint8_t* const* nxt) {
+inline void axpy_blocks(const uint8_t* const* rows, const float* h, int64_t hs, int64_t T, float* y, int64_t ys,
+                        int64_t o0, int64_t o1, const uint8_t* const* nxt, float* mb, int64_t mbs) {
   constexpr int NV = QK / VW;
   constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
-  vf hv[N];
-  for (int r = 0; r < N; ++r) hv[r] = vset1(h[r]);
+  constexpr bool OFFSET = !(TY == Q8_0 || SUBTRACTED8<TY>);
   for (int64_t o = o0; o < o1; o += QK) {
-    const int64_t bo = o / QK * BB;
-    vf acc[NV], msum = vzero();
-    for (int k = 0; k < NV; ++k) acc[k] = vload(y + o + k * VW);
+    const int64_t bo = o / QK * BB, b = (o - o0) / QK;
     const bool pf = (o / QK) % PF_EVERY == 0;
+    float sc[N], mn[N];
     for (int r = 0; r < N; ++r) {
-      const uint8_t* blk = rows[r] + bo;
+      sc[r] = f16_scale(rows[r] + bo);
+      mn[r] = TY == Q4_1 ? f16_scale(rows[r] + bo + 2) : -8.f;
       if (pf) {
-        prefetch(blk + PF_AHEAD);
+        prefetch(rows[r] + bo + PF_AHEAD);
         if (nxt) prefetch_l2(nxt[r] + bo);
       }
-      const vf hd = vmul(hv[r], vset1(f16_scale(blk)));
-      vf q[NV];
-      qraw<TY>(blk, q);
-      for (int k = 0; k < NV; ++k) acc[k] = vfma(q[k], hd, acc[k]);
-      if (TY == Q4_1) msum = vfma(hv[r], vset1(f16_scale(blk + 2)), msum);
-      if (TY == Q4_0 && !SUBTRACTED8<TY>) msum = vfma(hd, vset1(-8.f), msum);
     }
-    for (int k = 0; k < NV; ++k) vstore(y + o + k * VW, TY == Q8_0 || SUBTRACTED8<TY> ? acc[k] : vadd(acc[k], msum));
+    if (T == 1) {  // one token: each row converted and applied in turn (few registers live)
+      vf acc[NV];
+      for (int k = 0; k < NV; ++k) acc[k] = vload(y + o + k * VW);
+      float ms = mb ? mb[b] : 0.f;
+      for (int r = 0; r < N; ++r) {
+        const float hd = h[r] * sc[r];
+        vf q[NV];
+        qraw<TY>(rows[r] + bo, q);
+        for (int k = 0; k < NV; ++k) acc[k] = vfma(q[k], vset1(hd), acc[k]);
+        if (OFFSET) ms = std::fma(TY == Q4_1 ? h[r] : hd, mn[r], ms);
+      }
+      if (OFFSET && mb) mb[b] = ms;
+      for (int k = 0; k < NV; ++k) vstore(y + o + k * VW, OFFSET && !mb ? vadd(acc[k], vset1(ms)) : acc[k]);
+      continue;
+    }
+    vf q[N][NV];
+    for (int r = 0; r < N; ++r) qraw<TY>(rows[r] + bo, q[r]);
+    for (int64_t t = 0; t < T; ++t) {
+      float* yt = y + t * ys + o;
+      const float* ht = h + t * hs;
+      vf acc[NV];
+      for (int k = 0; k < NV; ++k) acc[k] = vload(yt + k * VW);
+      float ms = mb ? mb[t * mbs + b] : 0.f;
+      for (int r = 0; r < N; ++r) {
+        const float hd = ht[r] * sc[r];
+        for (int k = 0; k < NV; ++k) acc[k] = vfma(q[r][k], vset1(hd), acc[k]);
+        if (OFFSET) ms = std::fma(TY == Q4_1 ? ht[r] : hd, mn[r], ms);
+      }
+      if (OFFSET && mb) mb[t * mbs + b] = ms;
+      for (int k = 0; k < NV; ++k) vstore(yt + k * VW, OFFSET && !mb ? vadd(acc[k], vset1(ms)) : acc[k]);
+    }
   }
 }
 
+// Float types: y_t = fma(row_r, h_tr, y_t), row after row: a chain in row order, as for the block types' mb above
 template <int TY, int N>
 inline void axpy_tile(const uint8_t* const* rows, const float* h, int64_t hs, int64_t T, float* y, int64_t ys,
-                      int64_t o0, int64_t o1, const uint8_t* const* nxt = nullptr) {
-  if (is_block(TY) && T == 1) return axpy_blocks_1<TY, N>(rows, h, y, o0, o1, nxt);
-  if (is_block(TY)) {
-    constexpr int NV = QK / VW;
-    constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
-    for (int64_t o = o0; o < o1; o += QK) {
-      vf v[N][NV];
-      const bool pf = (o / QK) % PF_EVERY == 0;
-      for (int r = 0; r < N; ++r) {
-        const uint8_t* blk = rows[r] + o / QK * BB;
-        if (pf) {
-          prefetch(blk + PF_AHEAD);
-          if (nxt) prefetch_l2(nxt[r] + o / QK * BB);
-        }
-        qblock<TY>(blk, v[r]);
-      }
-      for (int64_t t = 0; t < T; ++t) {
-        float* yt = y + t * ys + o;
-        vf acc[NV];
-        for (int k = 0; k < NV; ++k) acc[k] = vload(yt + k * VW);
-        for (int r = 0; r < N; ++r) {
-          const vf hv = vset1(h[t * hs + r]);
-          for (int k = 0; k < NV; ++k) acc[k] = vfma(v[r][k], hv, acc[k]);
-        }
-        for (int k = 0; k < NV; ++k) vstore(yt + k * VW, acc[k]);
-      }
-    }
+                      int64_t o0, int64_t o1, const uint8_t* const* nxt = nullptr, float* mb = nullptr,
+                      int64_t mbs = 0) {
+  if constexpr (is_block(TY)) {
+    axpy_blocks<TY, N>(rows, h, hs, T, y, ys, o0, o1, nxt, mb, mbs);
     return;
   }
   constexpr int64_t ES = unit_bytes(TY), PF_EVERY = 64 / (ES * VW) > 0 ? 64 / (ES * VW) : 1;
@@ -598,7 +605,7 @@ inline void axpy_tile(const uint8_t* const* rows, const float* h, int64_t hs, in
   }
   for (; o < o1; ++o)
     for (int64_t t = 0; t < T; ++t)
-      for (int r = 0; r < N; ++r) y[t * ys + o] += h[t * hs + r] * welem(TY, rows[r], o);
+      for (int r = 0; r < N; ++r) y[t * ys + o] = std::fma(h[t * hs + r], welem(TY, rows[r], o), y[t * ys + o]);
 }
 
 }  // namespace pinfer

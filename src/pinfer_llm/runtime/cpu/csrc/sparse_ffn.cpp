@@ -4,7 +4,8 @@
 // column, PowerInfer's ffn_down_t), so one index addresses a row in each. y_t = sum_j h_tj down_t[idx_j] with
 // h_tj = act(x_t . gate[idx_j], x_t . up[idx_j] (+ up_bias)).
 //
-// One pass per thread over its contiguous share of the index list, in groups of NB = 8 neurons:
+// The index list is cut into parts by neuron id (below), the threads take parts in turn, and a part is one pass over
+// its run of the list in groups of NB = 8 neurons:
 // 1. gate rows (for gate-less activations, up rows) as one dot_rows call: 8 rows stream side by side, which is what
 //    makes scattered rows read at the speed of a dense GEMV (a DRAM stream per row in flight; see dot.cpp). For ReLU
 //    and dReLU, a neuron whose gate is <= 0 for every token (or that every token masks out) has activation exactly 0,
@@ -13,11 +14,25 @@
 //    1.7x the true active set): each costs a third of a neuron's bytes.
 // 2. the neurons that remain are queued; each full queue of 8 reads its up rows, computes the activations, and adds
 //    its down rows, converted once per block and applied to every token whose activation is not zero.
-// Each thread sums into its own [T, d] buffer (thread 0 into y); the buffers are added at the end.
+// Each part sums into its own [T, d] buffer (the first into y); the buffers are added at the end, in part order.
+// A batch of rows each masked to its own few neurons of the union takes, per part, one such pass per row over its own
+// neurons instead (by_rows), the rows' passes in step so that rows read by one are in cache for the next.
 //
 // Exactness: for every neuron of idx the result equals the dense FFN with all other neurons zeroed, up to float
 // summation order (and, for block-type gate/up rows, the q8 rounding of x: see quant.h). Skipping a row whose
 // activation is exactly zero changes nothing.
+//
+// Batch invariance: token t's result is the same bits whatever other tokens share the call and whatever neurons they
+// bring into idx (their union), for an ascending idx (every caller's: predictors, unions, all neurons), so a batch of
+// several requests, or a prompt's chunk, computed over the union of its rows' neurons gives each row what its decode
+// step alone gives it. Three things make it so: each row's dot products are the same bits in any tile (dot.cpp); the
+// down rows are added by a chain of fused multiply-adds in index order, into which a neuron whose activation is 0 for
+// t adds nothing (quant.h axpy_blocks, the block offsets in mb); and the parts are fixed ranges of neuron ids,
+// [c n_ff / P, (c + 1) n_ff / P) for part c of P (PARTS_PER_THREAD x num_threads()), not positions in idx, their sums
+// added in part order. An idx that is not ascending is cut by positions (correct, not invariant).
+#include <algorithm>
+#include <atomic>
+#include <climits>
 #include <memory>
 
 #include "kernels.h"
@@ -27,6 +42,7 @@ namespace pinfer {
 namespace {
 
 constexpr int NB = 8;
+constexpr int PARTS_PER_THREAD = 4;
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 // gelu(v) = v Phi(v), written with erfc: 1 + erf(v / sqrt 2) cancels to 0 in fp32 for v < -5.5, erfc does not
@@ -35,9 +51,10 @@ inline float gelu(float v) { return 0.5f * v * std::erfc(v * -0.7071067811865475
 struct Walk {
   const FFN& f;
   const Acts& a;
-  float* acc;  // this thread's [T, d] partial sums
+  float* acc;  // this part's [T, d] partial sums
   const bool gated, gate_first;
   std::vector<float> gb, pend_v, uv, hv;  // [T, NB] each
+  std::vector<float> mb;  // block-type down rows: [T, d / 32] per-block offset sums, added to acc at the end
   int64_t pend[NB];
   int n_pend = 0;
   const uint8_t* upcoming[NB];  // the first rows of the next group: prefetched while the down rows are added
@@ -47,7 +64,8 @@ struct Walk {
   Walk(const FFN& f_, const Acts& a_, float* acc_)
       : f(f_), a(a_), acc(acc_), gated(f_.act <= DRELU),
         gate_first(f_.act == REGLU || f_.act == DRELU || (f_.act == SWIGLU && f_.cats > 0.f)),
-        gb(f_.T * NB), pend_v(f_.T * NB), uv(f_.T * NB), hv(f_.T * NB) {}
+        gb(f_.T * NB), pend_v(f_.T * NB), uv(f_.T * NB), hv(f_.T * NB),
+        mb(is_block(f_.down_t.type) ? f_.T * (f_.d / QK) : 0, 0.f) {}
 
   int64_t id(int64_t j) const { return f.idx ? f.idx[j] : j; }
   bool on(int64_t t, int64_t j) const { return f.mask == nullptr || f.mask[t * f.mask_stride + j]; }
@@ -101,7 +119,8 @@ struct Walk {
       for (int64_t t = 0; t < T; ++t) hv[t * NB + n] = hv[t * NB + r];
       rows[n++] = f.down_t.row(id(pend[r]));
     }
-    axpy_rows(f.down_t.type, rows, n, hv.data(), NB, T, acc, f.d, 0, f.d, upcoming, n_upcoming);
+    axpy_rows(f.down_t.type, rows, n, hv.data(), NB, T, acc, f.d, 0, f.d, upcoming, n_upcoming,
+              mb.empty() ? nullptr : mb.data(), f.d / QK);
     n_pend = 0;
   }
 
@@ -111,73 +130,171 @@ struct Walk {
     if (n_pend == NB) flush();
   }
 
-  void run(int64_t b, int64_t e) {
+  // the group of n index positions from j0 (n <= NB); e: the end of this walk's run (what may be prefetched)
+  void group(int64_t j0, int n, int64_t e) {
     const int64_t T = f.T;
     const Mat& first = gated ? f.gate : f.up;
-    for (int64_t j0 = b; j0 < e; j0 += NB) {
-      const int n = (int)std::min<int64_t>(NB, e - j0);
-      const uint8_t* rows[NB];
-      for (int r = 0; r < n; ++r) rows[r] = first.row(id(j0 + r));
-      // Prefetched into L2 in step with these rows: for SwiGLU without CATS (every neuron live) the same neurons' up
-      // rows, read next; otherwise the next group's first rows. The down rows are prefetched while the up rows are read
-      // (flush), and the next group's first rows while the down rows are added.
-      n_upcoming = (int)std::max<int64_t>(0, std::min<int64_t>(NB, e - j0 - NB));
-      for (int r = 0; r < n_upcoming; ++r) upcoming[r] = first.row(id(j0 + NB + r));
-      const uint8_t* ups[NB];
-      const bool all_live = gated && !gate_first;
-      if (all_live)
-        for (int r = 0; r < n; ++r) ups[r] = f.up.row(id(j0 + r));
-      dot_rows(first.type, rows, n, a, gb.data(), NB, all_live ? ups : upcoming, all_live ? n : n_upcoming);
-      for (int r = 0; r < n; ++r) {
-        const int64_t j = j0 + r;
-        bool live = false;
-        if (gated) {
-          for (int64_t t = 0; t < T; ++t) live |= on(t, j) && (!gate_first || gate_passes(gb[t * NB + r]));
-        } else {  // gate-less: the activation itself, masked; ReLU's zeros never read the down row
-          const float bj = bias(j);
-          for (int64_t t = 0; t < T; ++t) {
-            float& v = gb[t * NB + r];
-            v = on(t, j) ? activate(0.f, v + bj) : 0.f;
-            live |= v != 0.f;
-          }
+    const uint8_t* rows[NB];
+    for (int r = 0; r < n; ++r) rows[r] = first.row(id(j0 + r));
+    // Prefetched into L2 in step with these rows: for SwiGLU without CATS (every neuron live) the same neurons' up
+    // rows, read next; otherwise the next group's first rows. The down rows are prefetched while the up rows are read
+    // (flush), and the next group's first rows while the down rows are added.
+    n_upcoming = (int)std::max<int64_t>(0, std::min<int64_t>(NB, e - j0 - n));
+    for (int r = 0; r < n_upcoming; ++r) upcoming[r] = first.row(id(j0 + n + r));
+    const uint8_t* ups[NB];
+    const bool all_live = gated && !gate_first;
+    if (all_live)
+      for (int r = 0; r < n; ++r) ups[r] = f.up.row(id(j0 + r));
+    dot_rows(first.type, rows, n, a, gb.data(), NB, all_live ? ups : upcoming, all_live ? n : n_upcoming);
+    for (int r = 0; r < n; ++r) {
+      const int64_t j = j0 + r;
+      bool live = false;
+      if (gated) {
+        for (int64_t t = 0; t < T; ++t) live |= on(t, j) && (!gate_first || gate_passes(gb[t * NB + r]));
+      } else {  // gate-less: the activation itself, masked; ReLU's zeros never read the down row
+        const float bj = bias(j);
+        for (int64_t t = 0; t < T; ++t) {
+          float& v = gb[t * NB + r];
+          v = on(t, j) ? activate(0.f, v + bj) : 0.f;
+          live |= v != 0.f;
         }
-        if (live) queue(j, r);
       }
+      if (live) queue(j, r);
     }
+  }
+
+  // after the last group: the queued neurons, then the block offsets into acc
+  void finish() {
     flush();
+    if (mb.empty()) return;
+    const int64_t T = f.T, nb = f.d / QK;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < f.d; ++o) acc[t * f.d + o] += mb[t * nb + o / QK];
+  }
+
+  void run(int64_t b, int64_t e) {
+    for (int64_t j0 = b; j0 < e; j0 += NB) group(j0, (int)std::min<int64_t>(NB, e - j0), e);
+    finish();
   }
 };
+
+// A batch whose rows are masked to few of the union's neurons (each row its own, as a batch of requests or a prompt
+// chunk under predictors is): the all-token walk would compute every row on every neuron of the union and drop most.
+// Instead one one-token walk per row over its own neurons of the run [b, e), which is the walk its decode step takes
+// there (the same list, the same groups of NB, the same sums), the rows' walks advanced together WIN index positions
+// at a time so that a neuron's rows, read from memory by the first row that needs them, are in cache for the others.
+// Returns the nonzero (token, neuron) pairs; acc [T, d] zeroed.
+constexpr int64_t WIN = 32;
+
+int64_t by_rows(const FFN& f, const std::vector<Acts>& one, const std::vector<std::vector<int64_t>>& own, int64_t b,
+                int64_t e, float* acc) {
+  const int64_t T = f.T, d = f.d;
+  std::vector<FFN> ft(T, f);
+  std::vector<Walk> walks;
+  walks.reserve(T);
+  for (int64_t t = 0; t < T; ++t) {
+    ft[t].x = f.x + t * d, ft[t].T = 1, ft[t].idx = own[t].data(), ft[t].k = (int64_t)own[t].size();
+    ft[t].mask = nullptr, ft[t].mask_stride = 0;
+    walks.emplace_back(ft[t], one[t], acc + t * d);
+  }
+  std::vector<int64_t> at(T, 0);  // each row's next position in its own list
+  for (int64_t w = b; w < e; w += WIN) {
+    // this window's groups: those whose last neuron comes before the next window's first (at the end: all left)
+    const int64_t stop = w + WIN < e ? (f.idx ? f.idx[w + WIN] : w + WIN) : INT64_MAX;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t k = (int64_t)own[t].size();
+      while (at[t] < k) {
+        const int n = (int)std::min<int64_t>(NB, k - at[t]);
+        if (own[t][at[t] + n - 1] >= stop) break;
+        walks[t].group(at[t], n, k);
+        at[t] += n;
+      }
+    }
+  }
+  int64_t nonzero = 0;
+  for (Walk& w : walks) {
+    w.finish();
+    nonzero += w.nonzero;
+  }
+  return nonzero;
+}
+
+// the run [b, e) as a batch of rows each over its own neurons (by_rows) when its rows' masks hold less than half of
+// the (token, neuron) pairs, else one walk for every token; either gives each row the same bits
+int64_t run_part(const FFN& f, const Acts& a, const std::vector<Acts>& one, int64_t b, int64_t e, float* acc) {
+  if (!one.empty()) {
+    std::vector<std::vector<int64_t>> own(f.T);
+    int64_t pairs = 0;
+    for (int64_t t = 0; t < f.T; ++t) {
+      const bool* m = f.mask + t * f.mask_stride;
+      for (int64_t j = b; j < e; ++j)
+        if (m[j]) own[t].push_back(f.idx ? f.idx[j] : j);
+      pairs += (int64_t)own[t].size();
+    }
+    if (2 * pairs < f.T * (e - b)) return by_rows(f, one, own, b, e, acc);
+  }
+  Walk w(f, a, acc);
+  w.run(b, e);
+  return w.nonzero;
+}
 
 }  // namespace
 
 int64_t ffn_sparse(const FFN& f, float* y) {
-  const int64_t T = f.T, d = f.d, k = f.k;
+  const int64_t T = f.T, d = f.d, k = f.k, n_ff = f.up.rows;
   std::fill(y, y + T * d, 0.f);
   if (T == 0 || k == 0) return 0;
   Acts a;
   a.prepare(f.x, T, d, d, is_block(f.up.type) || (f.gate.p && is_block(f.gate.type)));
-  const int nt = num_threads();
-  std::unique_ptr<float[]> partial(new float[(size_t)(nt - 1) * T * d]);  // zeroed by the threads that use them
-  std::vector<int64_t> nonzero(nt, 0);
-  std::vector<char> used(nt, 0);
-  // one contiguous run of the index list per thread; tiny index sets stay on one thread (a fork costs more)
-  const int64_t grain = std::max<int64_t>((k + nt - 1) / nt, 4 * NB);
-  parallel_for(0, k, grain, [&](int64_t b, int64_t e) {
-    const int tid = thread_num();
-    float* acc = tid == 0 ? y : partial.get() + (size_t)(tid - 1) * T * d;
-    if (tid != 0) std::fill(acc, acc + T * d, 0.f);
-    Walk w(f, a, acc);
-    w.run(b, e);
-    nonzero[tid] += w.nonzero;
-    used[tid] = 1;
-  });
-  int64_t total = nonzero[0];
-  for (int t = 1; t < nt; ++t) {
-    if (!used[t]) continue;
-    total += nonzero[t];
-    const float* p = partial.get() + (size_t)(t - 1) * T * d;
-    for (int64_t i = 0; i < T * d; ++i) y[i] += p[i];
+  bool ascending = true;
+  for (int64_t j = 1; f.idx && j < k && ascending; ++j) ascending = f.idx[j] > f.idx[j - 1];
+  // the tokens one by one, views into a, for by_rows (a batch of rows masked each to its own neurons)
+  std::vector<Acts> one(T > 1 && f.mask && ascending ? T : 0);
+  for (size_t t = 0; t < one.size(); ++t) {
+    Acts& o = one[t];
+    o.x = a.f[t], o.T = 1, o.n = a.n, o.ldx = a.ldx;
+    o.f = {a.f[t]};
+    if (!a.q.empty()) o.q = {a.q[t]};
   }
+  // PARTS_PER_THREAD parts per thread, claimed in turn: a part's neurons are those of its id range, so parts differ
+  // in work (how many of its neurons idx holds, how many fire); more parts than threads even that out
+  const int nt = num_threads(), P = nt * PARTS_PER_THREAD;
+  // part c's run of the index list: its neurons' ids in [c n_ff / P, (c + 1) n_ff / P) (see the head of the file)
+  std::vector<int64_t> cut(P + 1);
+  for (int c = 0; c <= P; ++c) {
+    const int64_t lo = c * n_ff / P;
+    if (!ascending)
+      cut[c] = c * k / P;
+    else if (!f.idx)
+      cut[c] = std::min(lo, k);
+    else
+      cut[c] = std::lower_bound(f.idx, f.idx + k, lo) - f.idx;
+  }
+  cut[P] = k;
+  std::vector<int> busy;  // the parts with neurons; part busy[0] sums straight into y
+  for (int c = 0; c < P; ++c)
+    if (cut[c] < cut[c + 1]) busy.push_back(c);
+  const int nb = (int)busy.size();
+  std::unique_ptr<float[]> partial(new float[(size_t)std::max(nb - 1, 0) * T * d]);
+  std::vector<int64_t> nonzero(nb, 0);
+  std::atomic<int> next{0};
+  parallel_for(0, std::min(nt, nb), 1, [&](int64_t, int64_t) {
+    for (int i = next++; i < nb; i = next++) {
+      float* acc = i == 0 ? y : partial.get() + (size_t)(i - 1) * T * d;
+      if (i != 0) std::fill(acc, acc + T * d, 0.f);
+      nonzero[i] = run_part(f, a, one, cut[busy[i]], cut[busy[i] + 1], acc);
+    }
+  });
+  // y += the other parts' sums, in part order, each output value on one thread
+  if (nb > 1)
+    parallel_for(0, T * d, 4096, [&](int64_t b, int64_t e) {
+      for (int i = 1; i < nb; ++i) {
+        const float* p = partial.get() + (size_t)(i - 1) * T * d;
+        for (int64_t o = b; o < e; ++o) y[o] += p[o];
+      }
+    });
+  int64_t total = 0;
+  for (int i = 0; i < nb; ++i) total += nonzero[i];
   return total;
 }
 

@@ -5,7 +5,9 @@
 // token (issue #26). Here the intermediates live in buffers sized once, and every op is the kernel the forward
 // calls, in its order and with its arguments, so the two give the same bits (tests/test_decode_step.py holds them
 // to it).
+#include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "kernels.h"
 
@@ -84,6 +86,39 @@ int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* res
   return ffn_sparse(q, f);
 }
 
+// The FFN of T rows in one call over the union of their neurons, each row masked to its own (the predictor's for
+// FFN_PRED, its own exact activations for FFN_ROWS): by sparse_ffn.cpp's batch invariance each row gets the bits
+// ffn_one gives it alone, and every selected row of weights is read once for all of them.
+int64_t ffn_rows(const LayerStep& L, int64_t d, int64_t T, const float* xf, const float* resid, float* f) {
+  if (T == 1) return ffn_one(L, d, xf, resid, f);
+  FFN q;
+  q.x = xf, q.T = T, q.d = d, q.gate = L.gate, q.up = L.up, q.down_t = L.down, q.k = L.up.rows, q.act = L.act,
+  q.up_bias = L.up_bias, q.cats = L.cats;
+  if (L.kind != FFN_PRED) return ffn_sparse(q, f);
+  std::vector<std::vector<int64_t>> own(T);
+  std::vector<int64_t> uni;
+  int64_t count = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    own[t] = predict_active(resid + t * d, L.fc1, L.fc2, L.fc2_transposed, L.threshold, L.always.data(),
+                            (int64_t)L.always.size());
+    count += (int64_t)own[t].size();
+    uni.insert(uni.end(), own[t].begin(), own[t].end());
+  }
+  std::sort(uni.begin(), uni.end());
+  uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
+  const int64_t k = (int64_t)uni.size();
+  if (k == 0) {
+    std::fill(f, f + T * d, 0.f);
+    return 0;
+  }
+  std::unique_ptr<bool[]> mask(new bool[T * k]());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i : own[t]) mask[t * k + (std::lower_bound(uni.begin(), uni.end(), i) - uni.begin())] = true;
+  q.idx = uni.data(), q.k = k, q.mask = mask.get(), q.mask_stride = k;
+  ffn_sparse(q, f);
+  return count;  // the predictors' counts, as ffn_one's
+}
+
 }  // namespace
 
 void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int64_t l0, int64_t l1, const float* rope,
@@ -155,8 +190,8 @@ void decode_rows(const StepShape& s, const std::vector<LayerStep>& layers, const
     if (L.kind == FFN_MM) {  // one pass over the weights for every row: ffn_mm's rows are independent below GEMM_MIN_T
       ffn_mm(xf, T, d, L.gate, L.up, L.down, L.act, L.up_bias, sc.f.data());
       active[l] += L.up.rows * T;
-    } else {  // each row its own neurons, through the one-token kernel its decode step would take
-      for (int64_t t = 0; t < T; ++t) active[l] += ffn_one(L, d, xf + t * d, resid + t * d, sc.f.data() + t * d);
+    } else {  // every row at once, each over its own neurons (ffn_rows)
+      active[l] += ffn_rows(L, d, T, xf, resid, sc.f.data());
     }
     for (int64_t t = 0; t < T; ++t) {
       float* ft = sc.f.data() + t * d;
