@@ -172,3 +172,35 @@ def test_a_context_beyond_memory_is_refused_before_anything_is_allocated(monkeyp
 def test_pi_serve_context_beyond_memory(model):
     one_line(serve_cli.app, [model / "m.gguf", "-c", "1000000000", "--port", "0"], "pi-serve",
              "a context of 1000000000 tokens needs")
+
+
+@pytest.mark.parametrize("prog,argv,want", [
+    ("pi-run", ["MODEL", "-p", "hi", "-n", "nan"], "Invalid value for '-n' / '--n-predict'"),
+    ("pi-run", ["MODEL", "-p", "hi", "--bogus-option"], "No such option: --bogus-option"),
+    ("pi-profile", ["MODEL", "--tokens"], "Option '--tokens' requires an argument"),
+    ("pi-plan", ["plan", "MODEL", "--gpu", "rtx4090", "--group", "nan"], "Invalid value for '--group'"),
+    ("pi-plan", ["skeleton"], "Missing argument 'shape'"),
+    ("pi-serve", ["MODEL", "--port", "nan"], "Invalid value for '--port'"),
+])
+def test_a_usage_error_is_one_line(model, capsys, prog, argv, want):
+    """`-n nan`, an unknown option, a missing value: click printed its usage block (4 lines; pi-plan a 6-line rich
+    box). Each command's main() runs its app through options.run_app: one line and exit status 2."""
+    from pinfer_llm.cli.options import run_app
+
+    app = {"pi-run": run_cli.app, "pi-profile": profile_cli.app, "pi-plan": plan_cli.app,
+           "pi-serve": serve_cli.app}[prog]
+    with pytest.raises(SystemExit) as e:
+        run_app(app, prog, [str(model / "m.gguf") if a == "MODEL" else a for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: {want}"), err
+    assert err.rstrip().endswith(" --help") and len(err) < 400, err
+
+
+def test_run_app_keeps_help_version_and_exit_codes(model, capsys):
+    from pinfer_llm.cli.options import run_app
+
+    for argv, code in ((["--version"], 0), (["-h"], 0), ([str(model / "missing.gguf"), "-p", "hi"], 1)):
+        with pytest.raises(SystemExit) as e:
+            run_app(run_cli.app, "pi-run", argv)
+        assert e.value.code == code, argv
+    assert "no such file" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -130,6 +131,49 @@ def at_least(name: str, value: int | None, least: int, most: int | None = None) 
 
 
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are 32-bit
+
+
+def _click_errors() -> tuple[type[BaseException], ...]:
+    """What click raises for a usage error: typer >= 0.20 vendors click (typer.TyperException is its errors' base),
+    older typer uses the click package."""
+    kinds: list[type[BaseException]] = [typer.TyperException] if hasattr(typer, "TyperException") else []
+    try:
+        import click
+
+        kinds.append(click.ClickException)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def run_app(app, prog: str, args: list[str] | None = None) -> None:
+    """Run a command's typer app and exit with its status. A usage error (an unknown option, `-n nan`, a missing
+    argument) is one line, `PROG: error: ...; see PROG --help`, exit status 2, as every other mistake is one line:
+    click's own is a usage block of 4 lines, or a 6-line box under rich (pi-plan)."""
+    try:
+        rc = app(args=args, prog_name=prog, standalone_mode=False)
+    except _click_errors() as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `pi-plan` alone: its help, as before
+            e.show()
+        else:
+            ctx = getattr(e, "ctx", None)
+            hint = f"; see {ctx.command_path if ctx is not None else prog} --help"
+            msg = " ".join(e.format_message().split()).rstrip(".")
+            print(f"{prog}: error: {PinferError(msg)}{hint}", file=sys.stderr)
+        rc = getattr(e, "exit_code", 2)
+    except (typer.Abort, RuntimeError) as e:  # click's Abort: EOF or Ctrl-C while it parses
+        if type(e).__name__ != "Abort":
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        rc = 130
+    from pinfer_llm.cli import _is_a_command
+
+    if _is_a_command():
+        # The command is done and its status decided: a Ctrl-C from here on is ignored. Python resets SIGINT to its
+        # default action while it finalizes (its handlers gone), so one in those last milliseconds killed a finished
+        # run (hostile_pass: rc -2 after pi-profile had written its file); an ignored signal stays ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 def ffn_mode(sparse: bool, dense: bool, oracle: bool) -> str:

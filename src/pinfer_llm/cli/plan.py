@@ -31,6 +31,7 @@ from pinfer_llm.cli.options import (
     pick_model,
     positive,
     print_file_warnings,
+    run_app,
     version_option,
 )
 from pinfer_llm.formats import constants as C
@@ -209,8 +210,11 @@ def _console() -> Console:
 
 @contextlib.contextmanager
 def _errors(verbose: bool):
-    """Every failure becomes one line on stderr and a non-zero exit (a traceback only with --verbose)."""
+    """Every failure becomes one line on stderr and a non-zero exit (a traceback only with --verbose). From here on
+    Ctrl-C raises KeyboardInterrupt (reported as one line below); before, while typer parses, cli's early handler
+    says `pi-plan: interrupted` (typer itself turned a KeyboardInterrupt there into a silent 130, or a traceback)."""
     try:
+        interrupts_raise()
         yield
     except (typer.Exit, typer.Abort, SystemExit):  # SystemExit: SIGTERM, see main
         raise
@@ -489,8 +493,7 @@ def _terminated(signum, frame):
 def main(argv: list[str] | None = None) -> None:
     args = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     signal.signal(signal.SIGTERM, _terminated)
-    interrupts_raise()
-    app(args=args, prog_name=PROG)
+    run_app(app, PROG, args)
 
 
 if __name__ == "__main__":

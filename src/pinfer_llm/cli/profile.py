@@ -33,6 +33,7 @@ from pinfer_llm.cli.options import (
     at_least,
     pick_model,
     print_file_warnings,
+    run_app,
     version_option,
 )
 from pinfer_llm.formats.errors import PinferError, report
@@ -354,6 +355,7 @@ def run(
 ) -> None:
     """Profile activations and train predictors for a model; store them in its GGUF."""
     try:
+        interrupts_raise()  # here, not in main(): a Ctrl-C while typer parses is still one line
         model = pick_model(model_arg, model_opt)
         opts = dict(corpus=corpus or [], tokens=tokens, ctx=ctx, train_predictors=train_predictors,
                     sparsity=sparsity, recall=recall, ladder=parse_ladder(ladder), max_fraction=max_fraction,
@@ -370,8 +372,7 @@ def run(
 
 
 def main() -> None:
-    interrupts_raise()
-    app()
+    run_app(app, "pi-profile")
 
 
 if __name__ == "__main__":

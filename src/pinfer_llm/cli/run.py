@@ -42,6 +42,7 @@ from pinfer_llm.cli.options import (
     ffn_mode,
     pick_model,
     print_warnings,
+    run_app,
     version_option,
     warn_ctx,
     warn_stale_sidecar,
@@ -246,6 +247,7 @@ def run(
 ) -> None:
     """Generate text with a GGUF model: a completion, one chat answer, or the interactive chat."""
     try:
+        interrupts_raise()  # here, not in main(): a Ctrl-C while typer parses is still one line
         model = pick_model(model_arg, model_opt)
         mode = ffn_mode(sparse, dense, oracle_masks)
         threads = checked_threads(threads)
@@ -391,8 +393,7 @@ def run_perplexity(model, path: Path, threads, ctx_size, ffn_act, mode: str, as_
 
 
 def main() -> None:
-    interrupts_raise()
-    app()
+    run_app(app, "pi-run")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pinfer_llm.cli.options import (
     ffn_mode,
     pick_model,
     print_warnings,
+    run_app,
     version_option,
     warn_ctx,
 )
@@ -87,6 +88,7 @@ def serve(
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
     llama-server's endpoints (/tokenize, /detokenize, /props, /slots, /metrics, /health) and a chat page at /."""
     try:
+        interrupts_raise()  # here, not in main(): a Ctrl-C while typer parses is still one line
         model = pick_model(model_arg, model_opt)
         mode = ffn_mode(sparse, dense, oracle_masks)
         if queue < 0:
@@ -168,8 +170,7 @@ def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: b
 
 
 def main() -> None:
-    interrupts_raise()
-    app()
+    run_app(app, "pi-serve")
 
 
 if __name__ == "__main__":
