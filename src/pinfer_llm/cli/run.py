@@ -138,23 +138,11 @@ def prompt_text(prompt: str | None, positional: str | None, file: Path | None) -
 
 
 def read_text_file(path: Path, what: str, strict: bool = True) -> str:
-    """A text file's contents: a directory, a binary file (NUL bytes) or, when strict, bytes that are not UTF-8
-    are one line each (they were internal errors: IsADirectoryError, UnicodeDecodeError)."""
-    if not path.exists():
-        raise PinferError(f"{path}: no such {what}")
-    if path.is_dir():
-        raise PinferError(f"{path}: is a directory, not a {what}")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise PinferError(f"{path}: cannot read the {what} ({e.strerror})") from None
-    if b"\0" in data:
-        raise PinferError(f"{path}: a binary file (it holds NUL bytes), not text; give a {what} in UTF-8")
-    try:
-        return data.decode("utf-8", errors="strict" if strict else "replace")
-    except UnicodeDecodeError as e:
-        raise PinferError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
-                          f"{what} as UTF-8") from None
+    """A text file's contents: a directory, a FIFO, a device, a binary file (NUL bytes) or, when strict, bytes that
+    are not UTF-8 are one line each (formats/textfile.py; they were internal errors, hangs and exhausted memory)."""
+    from pinfer_llm.formats.textfile import read_text
+
+    return read_text(path, what, strict=strict)
 
 
 def utf8(name: str, text: str | None) -> str | None:

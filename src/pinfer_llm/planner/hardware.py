@@ -287,13 +287,10 @@ def _checked(path: Path, section: str, table, schema: dict) -> dict:
 def load_hw_file(path: str | os.PathLike) -> dict:
     """Parse and validate a --hw file into {'cpu': {...}, 'pcie': {...}, 'engine': {...}, 'host': {...},
     'gpus': [GPU, ...]}: a TOML machine file, or the JSON of benchmarks/hybrid_overhead.py --json (host constants)."""
+    from pinfer_llm.formats.textfile import read_text
+
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise PinferError(f"{path}: no such --hw file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PinferError(f"{path}: cannot read --hw file ({exc})") from None
+    text = read_text(path, "--hw file")  # a FIFO, a device, a binary file: one line each
     if path.suffix.lower() == ".json":
         return _overhead_json(path, text)
     try:
