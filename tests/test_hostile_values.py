@@ -138,7 +138,7 @@ def test_pi_plan_values(model, cmd, args, want):
 
 
 @pytest.mark.parametrize("args,want", [(["--seed", "-1"], "--seed must be from 0 to 4294967295, got -1"),
-                                       (["--tokens", "-1"], "--tokens must be at least 1, got -1")])
+                                       (["--tokens", "-1"], "--tokens must be from 1 to 18446744073709551615, got -1")])
 def test_pi_plan_skeleton_values(tmp_path, args, want):
     one_line(plan_cli.app, ["skeleton", "llama2-7b", "-o", tmp_path / "s.gguf", *args], "pi-plan", want)
     assert not (tmp_path / "s.gguf").exists()
@@ -204,3 +204,73 @@ def test_run_app_keeps_help_version_and_exit_codes(model, capsys):
             run_app(run_cli.app, "pi-run", argv)
         assert e.value.code == code, argv
     assert "no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prog", ["pi-profile", "pi-serve"])
+def test_threads_beyond_the_cores_are_capped_everywhere(model, tmp_path, monkeypatch, prog):
+    """pi-profile and pi-serve passed -t to torch unchecked: 10^9 made libgomp abort allocating 216 GB for its pool
+    (pi-profile) or hang (pi-serve), 10^20 was "internal error: Overflow when unpacking long long". They cap it as
+    pi-run does, with the same warning. (10^20 here: the uncapped value fails in-process without killing the suite.)"""
+    import os
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    try:
+        if prog == "pi-serve":
+            got = []
+            monkeypatch.setattr(serve_cli, "run_uvicorn", lambda app_, sock, m, *rest: (sock.close(), got.append(m)))
+            res = runner.invoke(serve_cli.app, [str(model / "m.gguf"), "--port", "0", "-t", str(10**20)])
+            assert res.exit_code == 0 and got and got[0].threads == cores, res.output
+        else:
+            res = runner.invoke(profile_cli.app, [str(model / "m.gguf"), "--sparsity", "0.3", "--tokens", "30",
+                                                  "--ctx", "20", "-t", str(10**20), "-o", str(tmp_path / "o.gguf")])
+            assert res.exit_code == 0, res.output
+        assert (f"{prog}: warning: -t {10**20} is more than the {cores} cores this process may use; using {cores}"
+                in res.stderr.splitlines()), res.stderr
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_integers_beyond_what_is_stored_are_refused_or_fitted(model, tmp_path):
+    """--tokens 10^20 cannot be stored in the u64 the file keeps (skeleton: "internal error: OverflowError"); a
+    --group of 10^20 neurons (numpy made its breakpoints objects: "internal error: IndexError") is the whole layer."""
+    one_line(plan_cli.app, ["skeleton", "smollm2-135m", "-o", tmp_path / "s.gguf", "--tokens", 10**20], "pi-plan",
+             f"--tokens must be from 1 to 18446744073709551615, got {10**20}")
+    one_line(profile_cli.app, [model / "m.gguf", "--tokens", 10**20, "-o", tmp_path / "o.gguf"], "pi-profile",
+             "--tokens must be from 1 to 18446744073709551615")
+    import numpy as np
+
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(tmp_path / "p.gguf")
+    update_model(tmp_path / "p.gguf", set_metadata={C.ACT_TOKENS: np.uint64(40)},
+                 set_tensors={C.tensor(C.ACT_COUNTS, i): np.arange(160, dtype=np.float32) % 40 for i in range(2)})
+    plan = ["plan", str(tmp_path / "p.gguf"), "--gpu", "rtx4090", *HOST, "--dry-run", "--json", "--group"]
+    want = runner.invoke(plan_cli.app, [*plan, "160"])
+    got = runner.invoke(plan_cli.app, [*plan, str(10**20)])
+    assert got.exit_code == 0 and want.exit_code == 0, got.output
+    import json
+
+    assert json.loads(got.stdout)["plan"]["layers"] == json.loads(want.stdout)["plan"]["layers"]
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--host", "\udcff"], "--host is not valid UTF-8 (byte 0xff at character 0)"),
+    (["--host", "a" * 300], "cannot listen on '" + "a" * 64 + "...' (300 characters):0: not a host name or address"),
+    (["--api-key", ""], "--api-key is empty (an unset variable, or PINFER_API_KEY=''?)"),
+    (["--api-key", " key"], "--api-key must be printable ASCII without spaces at its ends"),
+    (["--api-key", "cl\u00e9"], "--api-key must be printable ASCII without spaces at its ends"),
+    (["--api-key", "\udce9"], "--api-key is not valid UTF-8"),
+    (["--cors", ""], "--cors is empty (an unset variable?)"),
+])
+def test_pi_serve_strings_and_budgets_refused_before_it_listens(model, monkeypatch, args, want):
+    """--host $'\\xff' was "internal error: UnicodeError: encoding with 'idna' codec failed"; --api-key '' started
+    a server that answers every request without a key; --vram-budget inf was taken (a warning, then the CPU). The
+    server is not started if a check is missing: the test fails instead of serving."""
+    monkeypatch.setattr(serve_cli, "run_uvicorn", lambda app_, sock, *rest: sock.close())
+    res = runner.invoke(serve_cli.app, [str(model / "m.gguf"), "--port", "0", *args])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("pi-serve: error: "), res.output
+    assert want in lines[0] and len(lines[0]) < 400, lines[0]

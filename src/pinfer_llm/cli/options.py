@@ -52,6 +52,19 @@ def pick_model(arg: str | None, opt: str | None) -> str:
     return arg if arg is not None else opt
 
 
+def utf8(name: str, text: str | None) -> str | None:
+    """A string from the command line: bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer
+    cannot encode (`-p $'\\xff'` was an internal error; `pi-serve --host $'\\xff'` too)."""
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = text[e.start]
+            shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+            raise PinferError(f"{name} is not valid UTF-8 ({shown} at character {e.start}); pass UTF-8 text") from None
+    return text
+
+
 def version_option(prog: str):
     """--version for `prog`: prints 'prog pinfer-llm X.Y.Z' and exits 0, whatever else is on the line."""
     def show(value: bool) -> None:
@@ -100,16 +113,17 @@ def print_file_warnings(f, prog: str) -> None:
         print(f"{prog}: warning: {w}", file=sys.stderr)
 
 
-def checked_threads(threads: int | None) -> int | None:
+def checked_threads(threads: int | None, prog: str = "pi-run") -> int | None:
     """-t: at least 1; above the cores this process may run on, capped to them with a one-line warning (torch's
-    spinning OpenMP threads on a shared core are many times slower, never faster)."""
+    spinning OpenMP threads on a shared core are many times slower, never faster; -t 1000000000 reached libgomp,
+    which aborted allocating 216 GB for its pool, or hung, and 10^20 overflowed torch's int64)."""
     if threads is None:
         return None
     if threads < 1:
         raise PinferError(f"-t/--threads must be at least 1, got {threads}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads > cores:
-        print(f"pi-run: warning: -t {threads} is more than the {cores} cores this process may use; using {cores}",
+        print(f"{prog}: warning: -t {threads} is more than the {cores} cores this process may use; using {cores}",
               file=sys.stderr)
         return cores
     return threads
@@ -131,6 +145,7 @@ def at_least(name: str, value: int | None, least: int, most: int | None = None) 
 
 
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are 32-bit
+U64_MAX = 2**64 - 1  # token counts are stored as u64
 
 
 def _click_errors() -> tuple[type[BaseException], ...]:

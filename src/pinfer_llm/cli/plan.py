@@ -26,6 +26,7 @@ from rich.console import Console
 from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import (
     SEED_MAX,
+    U64_MAX,
     ModelOpt,
     at_least,
     pick_model,
@@ -385,7 +386,7 @@ def skeleton_cmd(
         from pinfer_llm.planner.skeleton import make_skeleton
 
         at_least("--seed", seed, 0, SEED_MAX)
-        at_least("--tokens", tokens, 1)
+        at_least("--tokens", tokens, 1, U64_MAX)  # stored as a u64
         path = make_skeleton(shape, output, quant=quant, predictors=predictors, seed=seed, tokens=tokens,
                              sparsity=sparsity, hot_share=hot_share)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")

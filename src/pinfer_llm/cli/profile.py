@@ -27,10 +27,12 @@ import typer
 from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import (
     SEED_MAX,
+    U64_MAX,
     FfnAct,
     ModelArg,
     ModelOpt,
     at_least,
+    checked_threads,
     pick_model,
     print_file_warnings,
     run_app,
@@ -102,8 +104,7 @@ def _check_options(o: dict) -> None:
         raise PinferError(f"--max-fraction must be in (0, 1], got {o['max_fraction']}")
     if o["ctx"] < 2:
         raise PinferError(f"--ctx must be at least 2, got {o['ctx']}")
-    if o["tokens"] is not None and o["tokens"] < 1:
-        raise PinferError(f"--tokens must be positive, got {o['tokens']}")
+    at_least("--tokens", o["tokens"], 1, U64_MAX)  # stored as a u64 (--import-activations)
     if o["store_down_t"] and o["export_activations"]:
         raise PinferError("--store-down-t writes into the model; --export-activations only reads it: run them apart")
     at_least("-t/--threads", o["threads"], 1)
@@ -357,6 +358,7 @@ def run(
     try:
         interrupts_raise()  # here, not in main(): a Ctrl-C while typer parses is still one line
         model = pick_model(model_arg, model_opt)
+        threads = checked_threads(threads, "pi-profile")  # capped to the cores, as pi-run's
         opts = dict(corpus=corpus or [], tokens=tokens, ctx=ctx, train_predictors=train_predictors,
                     sparsity=sparsity, recall=recall, ladder=parse_ladder(ladder), max_fraction=max_fraction,
                     steps=steps, sample_tokens=sample_tokens, import_activations=import_activations,

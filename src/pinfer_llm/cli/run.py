@@ -43,6 +43,7 @@ from pinfer_llm.cli.options import (
     pick_model,
     print_warnings,
     run_app,
+    utf8,
     version_option,
     warn_ctx,
     warn_stale_sidecar,
@@ -143,19 +144,6 @@ def read_text_file(path: Path, what: str, strict: bool = True) -> str:
     from pinfer_llm.formats.textfile import read_text
 
     return read_text(path, what, strict=strict)
-
-
-def utf8(name: str, text: str | None) -> str | None:
-    """A string from the command line: bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer
-    cannot encode (`-p $'\\xff'` was an internal error)."""
-    if text is not None:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = text[e.start]
-            shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
-            raise PinferError(f"{name} is not valid UTF-8 ({shown} at character {e.start}); pass UTF-8 text") from None
-    return text
 
 
 def read_stdin() -> str:
