@@ -264,6 +264,7 @@ def test_integers_beyond_what_is_stored_are_refused_or_fitted(model, tmp_path):
     (["--api-key", "cl\u00e9"], "--api-key must be printable ASCII without spaces at its ends"),
     (["--api-key", "\udce9"], "--api-key is not valid UTF-8"),
     (["--cors", ""], "--cors is empty (an unset variable?)"),
+    (["--vram-budget", "inf"], "--vram-budget must be a finite number above 0, got inf"),
 ])
 def test_pi_serve_strings_and_budgets_refused_before_it_listens(model, monkeypatch, args, want):
     """--host $'\\xff' was "internal error: UnicodeError: encoding with 'idna' codec failed"; --api-key '' started
@@ -274,3 +275,43 @@ def test_pi_serve_strings_and_budgets_refused_before_it_listens(model, monkeypat
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("pi-serve: error: "), res.output
     assert want in lines[0] and len(lines[0]) < 400, lines[0]
+
+
+def test_pi_run_vram_budget_inf(model):
+    one_line(run_cli.app, [model / "m.gguf", "-p", "hi", "-n", "2", "--vram-budget", "inf"], "pi-run",
+             "--vram-budget must be a finite number above 0, got inf")
+
+
+@pytest.mark.parametrize("hw,want", [
+    ("[cpu]\nmem_bw_gbs = nan\n", "[cpu] mem_bw_gbs must be a finite number from 0.001 to 10,000,000 GB/s, got nan"),
+    ("[pcie]\nbw_gbs = inf\n", "[pcie] bw_gbs must be a finite number from 0.001 to 10,000,000 GB/s, got inf"),
+    ("[pcie]\nbw_gbs = 1e-300\n", "[pcie] bw_gbs must be a finite number from 0.001"),
+    ("[cpu]\nhost_ram_gib = inf\n", "[cpu] host_ram_gib must be a finite number from 0 to 1,073,741,824 GiB"),
+    ("[cpu]\nbw_efficiency = nan\n", "[cpu] bw_efficiency must be a finite number from 1e-09 to 1, got nan"),
+    ("[cpu]\nop_us = 1e300\n", "[cpu] op_us must be a finite number from 0 to 1,000,000 us"),
+    ("[engine]\nsync_us = nan\n", "[engine] sync_us must be a finite number"),
+    ("[engine]\ngpu_dense_efficiency = { f16 = 1e-300 }\n",
+     "[engine] gpu_dense_efficiency.f16 is a share of the bandwidth, in [1e-09, 1]; got 1e-300"),
+    ("[[gpu]]\nname = 'rtx4090'\nvram_budget_gib = nan\n", "[gpu #1] vram_budget_gib must be a finite number"),
+    ('{"with_cuda_wrappers_us_per_layer": NaN}', "[host] split_layer_us must be a finite number"),
+])
+def test_machine_files_with_values_no_machine_has_are_one_line(model, tmp_path, hw, want):
+    """TOML and JSON read nan and inf: a --hw file's NaN bandwidth reached the solver ("internal error: PulpError:
+    Cannot multiply variables with NaN/inf values"), host_ram_gib = inf became int(inf) ("OverflowError"), and a
+    bandwidth of 1e-300 made every plan "infeasible: no placement fits the VRAM budget(s) and host RAM", which was
+    not what was wrong. Every number of a machine is checked against planner.hardware.RANGES."""
+    path = tmp_path / ("m.json" if hw.startswith("{") else "m.toml")
+    path.write_text(hw)
+    one_line(plan_cli.app, ["plan", model / "m.gguf", "--gpu", "rtx4090", "--cpu-cores", "2", "--hw", path,
+                            "--dry-run"], "pi-plan", f"{path}: {want}")
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--pcie-bw", "1e-300"], "--pcie-bw must be a finite number from 0.001 to 10,000,000 GB/s, got 1e-300"),
+    (["--cpu-bw", "1e300"], "--cpu-bw must be a finite number from 0.001 to 10,000,000 GB/s, got 1e+300"),
+    (["--host-ram", "1e300"], "--host-ram must be a finite number from 0 to 1,073,741,824 GiB, got 1e+300"),
+])
+def test_machine_flags_beyond_any_machine(model, args, want):
+    names = {a for a in args if a.startswith("--")}
+    host = [x for i, x in enumerate(HOST) if HOST[i - (i % 2)] not in names]
+    one_line(plan_cli.app, ["plan", model / "m.gguf", "--gpu", "rtx4090", *host, *args, "--dry-run"], "pi-plan", want)
