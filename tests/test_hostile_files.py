@@ -644,3 +644,29 @@ def test_an_endless_pipe_stops_at_the_stream_limit(monkeypatch):
         p.kill()
         p.wait()
         p.stdout.close()
+
+
+def test_predictors_a_profile_keeps_that_hold_nan_are_one_warning(tmp_path):
+    """pi-profile without --train-predictors keeps the file's predictors (it profiles dense, without them): NaN in
+    one went silently into its output, exit 0, and only pi-run's load later refused it. One warning line now."""
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(tmp_path / "m.gguf", powerinfer=True)
+    fc2 = np.full((160, 16), 0.1, np.float16)
+    fc2[7, 3] = np.nan
+    update_model(tmp_path / "m.gguf", set_tensors={C.tensor(C.PRED_FC2, 1): fc2})
+
+    def profile(path):  # a ReLU model: no --sparsity
+        res = runner.invoke(profile_cli.app, [str(path), "--tokens", "40", "--ctx", "20", "-t", "1", "-o",
+                                              str(tmp_path / "out.gguf")])
+        return res.exit_code, res.stderr + res.stdout
+
+    code, out = profile(tmp_path / "m.gguf")
+    assert code == 0 and warnings_of(out, "pi-profile") == [
+        f"pi-profile: warning: {tmp_path / 'm.gguf'}: predictor tensor 'blk.1.fc2.weight' holds values that are not "
+        f"finite (NaN or inf); retrain it with pi-profile --train-predictors; they are kept as they are (sparse runs "
+        f"refuse them)"], out
+    write_tiny(tmp_path / "ok.gguf", powerinfer=True)
+    code, out = profile(tmp_path / "ok.gguf")
+    assert code == 0 and not warnings_of(out, "pi-profile"), out

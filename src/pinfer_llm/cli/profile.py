@@ -135,6 +135,17 @@ def _check_sample_memory(cfg, sample: int, with_margin: bool, need: int) -> None
                       f"than 70% of the {size(avail)} available; {hint}")
 
 
+def warn_kept_predictors(f, cfg) -> None:
+    """Predictors the run keeps (it profiles dense, without them) that pi-run would refuse, NaN in fc2 or a shape
+    that does not fit: one line, rather than copying them silently into the output (they once were, exit 0)."""
+    from pinfer_llm.runtime.loader import check_predictors
+
+    try:
+        check_predictors(f, cfg)
+    except PinferError as e:
+        print(f"pi-profile: warning: {e}; they are kept as they are (sparse runs refuse them)", file=sys.stderr)
+
+
 def run_profile(model: str, o: dict, quiet: bool) -> dict:
     """The whole command; returns the summary that is printed. Raises PinferError on bad input, before any write."""
     import torch
@@ -158,6 +169,8 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
         check_writable(f, o["out"])  # before minutes of profiling, not after
     cfg = config_from_gguf(f, ffn_act=o["ffn_act"])
     profile_store.check_ffn_tensors(f, cfg)
+    if not (o["train_predictors"] or o["import_predictors"] or o["export_activations"]):
+        warn_kept_predictors(f, cfg)
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     summary: dict = {"model": str(path), "out": None, "n_layer": cfg.n_layer, "n_ff": cfg.n_ff,
