@@ -243,3 +243,28 @@ def test_a_layer_count_beyond_the_files_tensors_fails_fast(tmp_path, value):
         cmd += [str(tmp_path / "m.gguf")] + (args if tool == "run" else [])
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and r.stderr == f"pi-{tool}: error: {tmp_path / 'm.gguf'}: {want}\n", r.stderr
+
+
+@pytest.mark.parametrize("prog,module,argv", [("pi-plan", "plan", "['show', 'x.gguf']"), ("pi-run", "run", "None")])
+def test_ctrl_c_while_typer_builds_or_parses_the_command_is_one_line(prog, module, argv):
+    """main() used to switch Ctrl-C to KeyboardInterrupt before typer built and parsed the command line: one there
+    (hostile_pass: SIGINT 0.47 s into pi-plan) was a traceback, or a silent exit 130 (typer's own handler). The
+    switch happens inside each command's error handling; until then the early handler answers."""
+    code = (f"import sys; sys.argv = ['/usr/bin/{prog}', 'x.gguf']\nimport os, signal, typer.main\n"
+            f"import pinfer_llm.cli.{module} as cli\nreal = typer.main.get_command\n"
+            "def building(app):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(app)\n"
+            f"typer.main.get_command = building\ncli.main({'' if argv == 'None' else argv})")
+    r = _python(code)
+    assert (r.returncode, r.stderr) == (130, f"{prog}: interrupted\n"), (r.returncode, r.stderr[-2000:])
+
+
+def test_ctrl_c_after_the_command_is_done_is_ignored(tmp_path):
+    """A SIGINT 1.45 s into pi-profile, after it had written its file, killed the process as it finalized (rc -2):
+    Python resets SIGINT to its default action once its handlers are gone. Once the status is decided, run_app
+    ignores SIGINT. Here it comes from an atexit callback (before that reset), where it was a KeyboardInterrupt
+    traceback ("Exception ignored in atexit callback")."""
+    code = (f"import sys; sys.argv = ['/usr/bin/pi-plan', 'show', {str(tmp_path / 'x.gguf')!r}]\n"
+            "import atexit, os, signal\nimport pinfer_llm.cli.plan as cli\n"
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\ncli.main()")
+    r = _python(code)
+    assert (r.returncode, r.stderr) == (1, f"pi-plan: error: {tmp_path / 'x.gguf'}: no such file\n"), r.stderr[-2000:]

@@ -43,49 +43,57 @@ def probe(path) -> str:
         return str(e)
 
 
-def mutations(data: bytes, rng: np.random.Generator, header_end: int, section_at: int | None):
-    """(description, mutated bytes): flips, extreme integers, truncation, insertions, section damage."""
+FUZZ_KINDS = ("flip", "extreme", "truncate", "shift", "scatter", "section")
+
+
+def mutation(kind: int, i: int, data: bytes, rng: np.random.Generator, header_end: int, section_at: int | None):
+    """One mutation of `data` (description, mutated bytes) of kind FUZZ_KINDS[kind]: flipped header bytes, an extreme
+    integer in the header, a truncation, bytes inserted or removed in the header, random bytes anywhere, damage after
+    the model (its section's directory, slots and blob). benchmarks/hostile_pass.py runs these through the CLIs."""
     extremes = [0, 1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1, len(data), len(data) * 8, 17]
+    b = bytearray(data)
+    if kind == 0:  # flipped bytes in the header
+        for _ in range(int(rng.integers(1, 8))):
+            b[int(rng.integers(0, header_end))] ^= int(rng.integers(1, 256))
+        return f"flip header #{i}", bytes(b)
+    if kind == 1:  # an extreme u64 or u32 somewhere in the header
+        at = int(rng.integers(4, header_end - 8))
+        v = extremes[int(rng.integers(0, len(extremes)))]
+        if rng.random() < 0.5:
+            b[at:at + 8] = struct.pack("<Q", v % 2**64)
+        else:
+            b[at:at + 4] = struct.pack("<I", v % 2**32)
+        return f"integer {v} at {at} #{i}", bytes(b)
+    if kind == 2:  # truncated
+        cut = int(rng.integers(0, len(data)))
+        return f"truncated at {cut} #{i}", bytes(b[:cut])
+    if kind == 3:  # bytes inserted or removed inside the header
+        at = int(rng.integers(0, header_end))
+        n = int(rng.integers(1, 16))
+        if rng.random() < 0.5:
+            return f"insert {n} at {at} #{i}", bytes(b[:at] + rng.bytes(n) + b[at:])
+        return f"remove {n} at {at} #{i}", bytes(b[:at] + b[at + n:])
+    if kind == 4:  # random bytes anywhere
+        for _ in range(int(rng.integers(1, 32))):
+            b[int(rng.integers(0, len(b)))] = int(rng.integers(0, 256))
+        return f"scatter #{i}", bytes(b)
+    # the section: its directory, slots and blob
+    if section_at is None:
+        at = int(rng.integers(header_end, len(b)))
+    else:
+        at = int(rng.integers(section_at, len(b)))
+    if rng.random() < 0.5:
+        b[at] ^= int(rng.integers(1, 256))
+    else:
+        at = min(at, len(b) - 8)
+        b[at:at + 8] = struct.pack("<Q", extremes[int(rng.integers(0, len(extremes)))] % 2**64)
+    return f"section byte {at} #{i}", bytes(b)
+
+
+def mutations(data: bytes, rng: np.random.Generator, header_end: int, section_at: int | None):
+    """N_MUTATIONS (description, mutated bytes), the kinds in turn."""
     for i in range(N_MUTATIONS):
-        kind = i % 6
-        b = bytearray(data)
-        if kind == 0:  # flipped bytes in the header
-            for _ in range(int(rng.integers(1, 8))):
-                b[int(rng.integers(0, header_end))] ^= int(rng.integers(1, 256))
-            yield f"flip header #{i}", bytes(b)
-        elif kind == 1:  # an extreme u64 or u32 somewhere in the header
-            at = int(rng.integers(4, header_end - 8))
-            v = extremes[int(rng.integers(0, len(extremes)))]
-            if rng.random() < 0.5:
-                b[at:at + 8] = struct.pack("<Q", v % 2**64)
-            else:
-                b[at:at + 4] = struct.pack("<I", v % 2**32)
-            yield f"integer {v} at {at} #{i}", bytes(b)
-        elif kind == 2:  # truncated
-            cut = int(rng.integers(0, len(data)))
-            yield f"truncated at {cut} #{i}", bytes(b[:cut])
-        elif kind == 3:  # bytes inserted or removed inside the header
-            at = int(rng.integers(0, header_end))
-            n = int(rng.integers(1, 16))
-            if rng.random() < 0.5:
-                yield f"insert {n} at {at} #{i}", bytes(b[:at] + rng.bytes(n) + b[at:])
-            else:
-                yield f"remove {n} at {at} #{i}", bytes(b[:at] + b[at + n:])
-        elif kind == 4:  # random bytes anywhere
-            for _ in range(int(rng.integers(1, 32))):
-                b[int(rng.integers(0, len(b)))] = int(rng.integers(0, 256))
-            yield f"scatter #{i}", bytes(b)
-        else:  # the section: its directory, slots and blob
-            if section_at is None:
-                at = int(rng.integers(header_end, len(b)))
-            else:
-                at = int(rng.integers(section_at, len(b)))
-            if rng.random() < 0.5:
-                b[at] ^= int(rng.integers(1, 256))
-            else:
-                at = min(at, len(b) - 8)
-                b[at:at + 8] = struct.pack("<Q", extremes[int(rng.integers(0, len(extremes)))] % 2**64)
-            yield f"section byte {at} #{i}", bytes(b)
+        yield mutation(i % len(FUZZ_KINDS), i, data, rng, header_end, section_at)
 
 
 def base_files(tmp_path):

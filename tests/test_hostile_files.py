@@ -519,3 +519,154 @@ def test_an_inconsistent_plan_is_one_line_and_pi_run_plans_again(tmp_path, damag
                     else "the plan's layer 1 has 100 neurons, the model 160")
     code, out = tool("run", p, "--gpu", "reference")
     assert code == 0 and f"ignoring the plan in the file: {p}: {line.split(f'{p}: ', 1)[1]}" in out, out
+
+
+class _Hang(Exception):
+    pass
+
+
+def _no_hang(signum, frame):
+    raise _Hang()
+
+
+def _text_file_cases(tmp: Path, path: str) -> list[tuple]:
+    """(app, argv, prog) of every command that reads a text file the user names, `path` as that file."""
+    m = str(tmp / "m.gguf")
+    return [(run_cli.app, [m, "-f", path, "-n", "2"], "pi-run"),
+            (run_cli.app, [m, "--perplexity", path], "pi-run"),
+            (profile_cli.app, [m, "--sparsity", "0.3", "--corpus", path, "-o", str(tmp / "o.gguf")], "pi-profile"),
+            (plan_cli.app, ["plan", m, "--gpu", "rtx4090", "--hw", path, "--dry-run"], "pi-plan")]
+
+
+def _one_line_of(res, prog: str) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), res.output
+    assert "no such" not in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/null"])
+def test_text_files_that_are_fifos_or_devices_are_one_line(tmp_path, kind):
+    """pi-run -f FIFO, --perplexity FIFO and pi-plan --hw FIFO waited forever in open() for a writer; pi-profile
+    --corpus said "no such corpus file" of a FIFO or a device. Every text file a command takes goes through
+    formats/textfile.read_text. A regression fails here within 20 s (SIGALRM) instead of hanging the suite."""
+    import os
+    import signal
+
+    write_tiny(tmp_path / "m.gguf")
+    path = tmp_path / "fifo" if kind == "fifo" else Path(kind)
+    if kind == "fifo":
+        os.mkfifo(path)
+    for app, argv, prog in _text_file_cases(tmp_path, str(path)):
+        old = signal.signal(signal.SIGALRM, _no_hang)
+        signal.alarm(20)
+        try:
+            res = runner.invoke(app, argv)
+        except _Hang:
+            pytest.fail(f"{prog} {argv}: no answer in 20 s")
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+        line = _one_line_of(res, prog)
+        if kind == "fifo":
+            assert "is a FIFO and nothing was written to it" in line, line
+
+
+_DEV_ZERO = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # a regression is a MemoryError, not the OOM killer
+from pathlib import Path
+from tests.test_hostile_files import _one_line_of, _text_file_cases, runner
+from tests.tiny import write_tiny
+tmp = Path(sys.argv[1])
+write_tiny(tmp / "m.gguf")
+for app, argv, prog in _text_file_cases(tmp, "/dev/zero"):
+    line = _one_line_of(runner.invoke(app, argv), prog)
+    assert "a binary file (it holds NUL bytes)" in line, line
+print("ok")
+"""
+
+
+def test_an_endless_device_as_a_text_file_is_one_line(tmp_path):
+    """/dev/zero as -f, --perplexity, --corpus or --hw was read until the kernel's OOM killer ended the run (rc -9
+    after 30-50 s, 24 GB here): NUL bytes are refused at the first chunk, and a stream is read to at most 256 MiB.
+    In a child with 6 GiB of address space, so that a regression fails instead of taking the machine's memory."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _DEV_ZERO, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-3000:]
+
+
+def test_a_pipe_with_a_writer_is_read_to_its_end(tmp_path):
+    """What read_text's non-blocking open must not break: a pipe (bash's `-f <(command)`) whose writer is slow, and a
+    FIFO whose writer is already waiting; both are read to the writer's end."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from pinfer_llm.formats.textfile import read_text
+
+    code = "import time, sys; time.sleep(0.5); sys.stdout.write('slow text'); sys.stdout.flush()"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert read_text(f"/proc/self/fd/{p.stdout.fileno()}", "prompt file") == "slow text"
+    finally:
+        p.wait(timeout=30)
+        p.stdout.close()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("from a writer"))
+    writer.start()  # it waits in open() for a reader
+    import time
+
+    time.sleep(0.3)
+    assert read_text(fifo, "prompt file") == "from a writer"
+    writer.join(timeout=10)
+
+
+def test_an_endless_pipe_stops_at_the_stream_limit(monkeypatch):
+    """`-f <(yes)`: text without end and without NUL bytes is read to STREAM_LIMIT, then refused."""
+    import subprocess
+
+    from pinfer_llm.formats import textfile
+
+    monkeypatch.setattr(textfile, "STREAM_LIMIT", 1 << 20)
+    p = subprocess.Popen(["yes"], stdout=subprocess.PIPE)
+    try:
+        with pytest.raises(PinferError, match="more than 1 MiB from a pipe or device, without an end"):
+            textfile.read_text(f"/proc/self/fd/{p.stdout.fileno()}", "prompt file")
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
+def test_predictors_a_profile_keeps_that_hold_nan_are_one_warning(tmp_path):
+    """pi-profile without --train-predictors keeps the file's predictors (it profiles dense, without them): NaN in
+    one went silently into its output, exit 0, and only pi-run's load later refused it. One warning line now."""
+    from pinfer_llm.formats import constants as C
+    from pinfer_llm.formats.update import update_model
+
+    write_tiny(tmp_path / "m.gguf", powerinfer=True)
+    fc2 = np.full((160, 16), 0.1, np.float16)
+    fc2[7, 3] = np.nan
+    update_model(tmp_path / "m.gguf", set_tensors={C.tensor(C.PRED_FC2, 1): fc2})
+
+    def profile(path):  # a ReLU model: no --sparsity
+        res = runner.invoke(profile_cli.app, [str(path), "--tokens", "40", "--ctx", "20", "-t", "1", "-o",
+                                              str(tmp_path / "out.gguf")])
+        return res.exit_code, res.stderr + res.stdout
+
+    code, out = profile(tmp_path / "m.gguf")
+    assert code == 0 and warnings_of(out, "pi-profile") == [
+        f"pi-profile: warning: {tmp_path / 'm.gguf'}: predictor tensor 'blk.1.fc2.weight' holds values that are not "
+        f"finite (NaN or inf); retrain it with pi-profile --train-predictors; they are kept as they are (sparse runs "
+        f"refuse them)"], out
+    write_tiny(tmp_path / "ok.gguf", powerinfer=True)
+    code, out = profile(tmp_path / "ok.gguf")
+    assert code == 0 and not warnings_of(out, "pi-profile"), out

@@ -62,7 +62,7 @@ def test_unknown_host(model):
 
 @pytest.mark.parametrize("args, needle", [(["--queue", "-1"], "--queue must be >= 0"),
                                           (["--sparse", "--dense"], "choose one of"),
-                                          (["-t", "0"], "--threads must be >= 1"),
+                                          (["-t", "0"], "-t/--threads must be at least 1, got 0"),
                                           (["--timeout", "0"], "--timeout must be > 0"),
                                           (["--max-connections", "0"], "--max-connections must be >= 1"),
                                           (["--pooling", "max"], "--pooling must be one of mean, last, cls")])

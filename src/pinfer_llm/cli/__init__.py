@@ -26,7 +26,9 @@ def _is_a_command() -> bool:
 
 def interrupts_raise() -> None:
     """From here on Ctrl-C raises KeyboardInterrupt, which each command turns into one line (formats.errors.report):
-    called by each command's main() once its imports are done."""
+    called first thing inside each command's own error handling, so that until then (imports, typer building and
+    parsing the command line) the early handler answers: typer turned a KeyboardInterrupt while it parsed into a
+    silent exit 130, and one while it built the command into a traceback."""
     if signal.getsignal(signal.SIGINT) is _interrupted_early:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

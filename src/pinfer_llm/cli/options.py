@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -49,6 +50,19 @@ def pick_model(arg: str | None, opt: str | None) -> str:
     if arg is None and opt is None:
         raise PinferError("no model: pass MODEL (a GGUF file, or 'smollm2' for the demo model) or -m MODEL")
     return arg if arg is not None else opt
+
+
+def utf8(name: str, text: str | None) -> str | None:
+    """A string from the command line: bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer
+    cannot encode (`-p $'\\xff'` was an internal error; `pi-serve --host $'\\xff'` too)."""
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = text[e.start]
+            shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+            raise PinferError(f"{name} is not valid UTF-8 ({shown} at character {e.start}); pass UTF-8 text") from None
+    return text
 
 
 def version_option(prog: str):
@@ -99,16 +113,17 @@ def print_file_warnings(f, prog: str) -> None:
         print(f"{prog}: warning: {w}", file=sys.stderr)
 
 
-def checked_threads(threads: int | None) -> int | None:
+def checked_threads(threads: int | None, prog: str = "pi-run") -> int | None:
     """-t: at least 1; above the cores this process may run on, capped to them with a one-line warning (torch's
-    spinning OpenMP threads on a shared core are many times slower, never faster)."""
+    spinning OpenMP threads on a shared core are many times slower, never faster; -t 1000000000 reached libgomp,
+    which aborted allocating 216 GB for its pool, or hung, and 10^20 overflowed torch's int64)."""
     if threads is None:
         return None
     if threads < 1:
         raise PinferError(f"-t/--threads must be at least 1, got {threads}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads > cores:
-        print(f"pi-run: warning: -t {threads} is more than the {cores} cores this process may use; using {cores}",
+        print(f"{prog}: warning: -t {threads} is more than the {cores} cores this process may use; using {cores}",
               file=sys.stderr)
         return cores
     return threads
@@ -130,6 +145,50 @@ def at_least(name: str, value: int | None, least: int, most: int | None = None) 
 
 
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are 32-bit
+U64_MAX = 2**64 - 1  # token counts are stored as u64
+
+
+def _click_errors() -> tuple[type[BaseException], ...]:
+    """What click raises for a usage error: typer >= 0.20 vendors click (typer.TyperException is its errors' base),
+    older typer uses the click package."""
+    kinds: list[type[BaseException]] = [typer.TyperException] if hasattr(typer, "TyperException") else []
+    try:
+        import click
+
+        kinds.append(click.ClickException)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def run_app(app, prog: str, args: list[str] | None = None) -> None:
+    """Run a command's typer app and exit with its status. A usage error (an unknown option, `-n nan`, a missing
+    argument) is one line, `PROG: error: ...; see PROG --help`, exit status 2, as every other mistake is one line:
+    click's own is a usage block of 4 lines, or a 6-line box under rich (pi-plan)."""
+    try:
+        rc = app(args=args, prog_name=prog, standalone_mode=False)
+    except _click_errors() as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `pi-plan` alone: its help, as before
+            e.show()
+        else:
+            ctx = getattr(e, "ctx", None)
+            hint = f"; see {ctx.command_path if ctx is not None else prog} --help"
+            msg = " ".join(e.format_message().split()).rstrip(".")
+            print(f"{prog}: error: {PinferError(msg)}{hint}", file=sys.stderr)
+        rc = getattr(e, "exit_code", 2)
+    except (typer.Abort, RuntimeError) as e:  # click's Abort: EOF or Ctrl-C while it parses
+        if type(e).__name__ != "Abort":
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        rc = 130
+    from pinfer_llm.cli import _is_a_command
+
+    if _is_a_command():
+        # The command is done and its status decided: a Ctrl-C from here on is ignored. Python resets SIGINT to its
+        # default action while it finalizes (its handlers gone), so one in those last milliseconds killed a finished
+        # run (hostile_pass: rc -2 after pi-profile had written its file); an ignored signal stays ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 def ffn_mode(sparse: bool, dense: bool, oracle: bool) -> str:

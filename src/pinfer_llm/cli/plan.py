@@ -26,11 +26,13 @@ from rich.console import Console
 from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import (
     SEED_MAX,
+    U64_MAX,
     ModelOpt,
     at_least,
     pick_model,
     positive,
     print_file_warnings,
+    run_app,
     version_option,
 )
 from pinfer_llm.formats import constants as C
@@ -209,8 +211,11 @@ def _console() -> Console:
 
 @contextlib.contextmanager
 def _errors(verbose: bool):
-    """Every failure becomes one line on stderr and a non-zero exit (a traceback only with --verbose)."""
+    """Every failure becomes one line on stderr and a non-zero exit (a traceback only with --verbose). From here on
+    Ctrl-C raises KeyboardInterrupt (reported as one line below); before, while typer parses, cli's early handler
+    says `pi-plan: interrupted` (typer itself turned a KeyboardInterrupt there into a silent 130, or a traceback)."""
     try:
+        interrupts_raise()
         yield
     except (typer.Exit, typer.Abort, SystemExit):  # SystemExit: SIGTERM, see main
         raise
@@ -381,7 +386,7 @@ def skeleton_cmd(
         from pinfer_llm.planner.skeleton import make_skeleton
 
         at_least("--seed", seed, 0, SEED_MAX)
-        at_least("--tokens", tokens, 1)
+        at_least("--tokens", tokens, 1, U64_MAX)  # stored as a u64
         path = make_skeleton(shape, output, quant=quant, predictors=predictors, seed=seed, tokens=tokens,
                              sparsity=sparsity, hot_share=hot_share)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
@@ -489,8 +494,7 @@ def _terminated(signum, frame):
 def main(argv: list[str] | None = None) -> None:
     args = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     signal.signal(signal.SIGTERM, _terminated)
-    interrupts_raise()
-    app(args=args, prog_name=PROG)
+    run_app(app, PROG, args)
 
 
 if __name__ == "__main__":

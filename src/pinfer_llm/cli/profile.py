@@ -27,12 +27,15 @@ import typer
 from pinfer_llm.cli import interrupts_raise
 from pinfer_llm.cli.options import (
     SEED_MAX,
+    U64_MAX,
     FfnAct,
     ModelArg,
     ModelOpt,
     at_least,
+    checked_threads,
     pick_model,
     print_file_warnings,
+    run_app,
     version_option,
 )
 from pinfer_llm.formats.errors import PinferError, report
@@ -101,8 +104,7 @@ def _check_options(o: dict) -> None:
         raise PinferError(f"--max-fraction must be in (0, 1], got {o['max_fraction']}")
     if o["ctx"] < 2:
         raise PinferError(f"--ctx must be at least 2, got {o['ctx']}")
-    if o["tokens"] is not None and o["tokens"] < 1:
-        raise PinferError(f"--tokens must be positive, got {o['tokens']}")
+    at_least("--tokens", o["tokens"], 1, U64_MAX)  # stored as a u64 (--import-activations)
     if o["store_down_t"] and o["export_activations"]:
         raise PinferError("--store-down-t writes into the model; --export-activations only reads it: run them apart")
     at_least("-t/--threads", o["threads"], 1)
@@ -133,6 +135,17 @@ def _check_sample_memory(cfg, sample: int, with_margin: bool, need: int) -> None
                       f"than 70% of the {size(avail)} available; {hint}")
 
 
+def warn_kept_predictors(f, cfg) -> None:
+    """Predictors the run keeps (it profiles dense, without them) that pi-run would refuse, NaN in fc2 or a shape
+    that does not fit: one line, rather than copying them silently into the output (they once were, exit 0)."""
+    from pinfer_llm.runtime.loader import check_predictors
+
+    try:
+        check_predictors(f, cfg)
+    except PinferError as e:
+        print(f"pi-profile: warning: {e}; they are kept as they are (sparse runs refuse them)", file=sys.stderr)
+
+
 def run_profile(model: str, o: dict, quiet: bool) -> dict:
     """The whole command; returns the summary that is printed. Raises PinferError on bad input, before any write."""
     import torch
@@ -156,6 +169,8 @@ def run_profile(model: str, o: dict, quiet: bool) -> dict:
         check_writable(f, o["out"])  # before minutes of profiling, not after
     cfg = config_from_gguf(f, ffn_act=o["ffn_act"])
     profile_store.check_ffn_tensors(f, cfg)
+    if not (o["train_predictors"] or o["import_predictors"] or o["export_activations"]):
+        warn_kept_predictors(f, cfg)
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     summary: dict = {"model": str(path), "out": None, "n_layer": cfg.n_layer, "n_ff": cfg.n_ff,
@@ -354,7 +369,9 @@ def run(
 ) -> None:
     """Profile activations and train predictors for a model; store them in its GGUF."""
     try:
+        interrupts_raise()  # here, not in main(): a Ctrl-C while typer parses is still one line
         model = pick_model(model_arg, model_opt)
+        threads = checked_threads(threads, "pi-profile")  # capped to the cores, as pi-run's
         opts = dict(corpus=corpus or [], tokens=tokens, ctx=ctx, train_predictors=train_predictors,
                     sparsity=sparsity, recall=recall, ladder=parse_ladder(ladder), max_fraction=max_fraction,
                     steps=steps, sample_tokens=sample_tokens, import_activations=import_activations,
@@ -370,8 +387,7 @@ def run(
 
 
 def main() -> None:
-    interrupts_raise()
-    app()
+    run_app(app, "pi-profile")
 
 
 if __name__ == "__main__":

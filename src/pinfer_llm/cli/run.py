@@ -42,6 +42,8 @@ from pinfer_llm.cli.options import (
     ffn_mode,
     pick_model,
     print_warnings,
+    run_app,
+    utf8,
     version_option,
     warn_ctx,
     warn_stale_sidecar,
@@ -137,36 +139,11 @@ def prompt_text(prompt: str | None, positional: str | None, file: Path | None) -
 
 
 def read_text_file(path: Path, what: str, strict: bool = True) -> str:
-    """A text file's contents: a directory, a binary file (NUL bytes) or, when strict, bytes that are not UTF-8
-    are one line each (they were internal errors: IsADirectoryError, UnicodeDecodeError)."""
-    if not path.exists():
-        raise PinferError(f"{path}: no such {what}")
-    if path.is_dir():
-        raise PinferError(f"{path}: is a directory, not a {what}")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise PinferError(f"{path}: cannot read the {what} ({e.strerror})") from None
-    if b"\0" in data:
-        raise PinferError(f"{path}: a binary file (it holds NUL bytes), not text; give a {what} in UTF-8")
-    try:
-        return data.decode("utf-8", errors="strict" if strict else "replace")
-    except UnicodeDecodeError as e:
-        raise PinferError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
-                          f"{what} as UTF-8") from None
+    """A text file's contents: a directory, a FIFO, a device, a binary file (NUL bytes) or, when strict, bytes that
+    are not UTF-8 are one line each (formats/textfile.py; they were internal errors, hangs and exhausted memory)."""
+    from pinfer_llm.formats.textfile import read_text
 
-
-def utf8(name: str, text: str | None) -> str | None:
-    """A string from the command line: bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer
-    cannot encode (`-p $'\\xff'` was an internal error)."""
-    if text is not None:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = text[e.start]
-            shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
-            raise PinferError(f"{name} is not valid UTF-8 ({shown} at character {e.start}); pass UTF-8 text") from None
-    return text
+    return read_text(path, what, strict=strict)
 
 
 def read_stdin() -> str:
@@ -246,6 +223,7 @@ def run(
 ) -> None:
     """Generate text with a GGUF model: a completion, one chat answer, or the interactive chat."""
     try:
+        interrupts_raise()  # here, not in main(): a Ctrl-C while typer parses is still one line
         model = pick_model(model_arg, model_opt)
         mode = ffn_mode(sparse, dense, oracle_masks)
         threads = checked_threads(threads)
@@ -391,8 +369,7 @@ def run_perplexity(model, path: Path, threads, ctx_size, ffn_act, mode: str, as_
 
 
 def main() -> None:
-    interrupts_raise()
-    app()
+    run_app(app, "pi-run")
 
 
 if __name__ == "__main__":

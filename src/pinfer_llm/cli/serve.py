@@ -28,14 +28,17 @@ from pinfer_llm.cli.options import (
     PlacementOpt,
     Sparse,
     VramBudget,
+    checked_threads,
     ffn_mode,
     pick_model,
     print_warnings,
+    run_app,
+    utf8,
     version_option,
     warn_ctx,
 )
 from pinfer_llm.cli.threads import BusyCores, warn_if_busy
-from pinfer_llm.formats.errors import PinferError, report
+from pinfer_llm.formats.errors import QUOTE_LIMIT, PinferError, quote, report
 
 # runtime/serving/connections.py's defaults, repeated so that `pi-serve --help` need not import torch
 # (tests/test_server_cli.py checks they agree)
@@ -87,18 +90,23 @@ def serve(
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
     llama-server's endpoints (/tokenize, /detokenize, /props, /slots, /metrics, /health) and a chat page at /."""
     try:
+        interrupts_raise()  # here, not in main(): a Ctrl-C while typer parses is still one line
         model = pick_model(model_arg, model_opt)
         mode = ffn_mode(sparse, dense, oracle_masks)
         if queue < 0:
             raise PinferError(f"--queue must be >= 0, got {queue}")
         if not 1 <= parallel <= 256:
             raise PinferError(f"--parallel must be from 1 to 256, got {parallel}")
-        if threads is not None and threads < 1:
-            raise PinferError(f"--threads must be >= 1, got {threads}")
+        threads = checked_threads(threads, "pi-serve")  # capped to the cores, as pi-run's
         if not timeout > 0:
             raise PinferError(f"--timeout must be > 0 seconds, got {timeout:g}")
         if max_connections < 1:
             raise PinferError(f"--max-connections must be >= 1, got {max_connections}")
+        check_api_key(api_key)
+        for origin in cors or ():
+            if not utf8("--cors", origin).strip():
+                raise PinferError("--cors is empty (an unset variable?); pass an origin such as http://localhost:3000, "
+                                  "or '*' for any")
         from pinfer_llm.runtime.serving.embeddings import POOLINGS
 
         if pooling not in POOLINGS:
@@ -124,21 +132,40 @@ def serve(
         raise typer.Exit(report(e, verbose, prog="pi-serve")) from None
 
 
+def check_api_key(key: str | None) -> None:
+    """A key clients can send: `--api-key ''` (an unset variable, PINFER_API_KEY='') served every request without
+    one, and a key that is not printable ASCII or has spaces at its ends can never match what a client's
+    'Authorization: Bearer KEY' header carries (its bytes are read as Latin-1, the token stripped)."""
+    if key is None:
+        return
+    utf8("--api-key", key)
+    if not key.strip():
+        raise PinferError("--api-key is empty (an unset variable, or PINFER_API_KEY=''?), which would serve every "
+                          "request without a key; pass a key, or drop --api-key")
+    if key != key.strip() or not (key.isascii() and key.isprintable()):
+        raise PinferError("--api-key must be printable ASCII without spaces at its ends: no client's 'Authorization: "
+                          "Bearer KEY' header could match it otherwise")
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (uvicorn starts listening on it), or a one-line error."""
     if not 0 <= port <= 65535:
         raise PinferError(f"--port must be from 0 to 65535, got {port}")
+    utf8("--host", host)
+    where = f"{host if len(host) <= QUOTE_LIMIT else quote(host)}:{port}"  # 300 characters once made 2 lines
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
-        raise PinferError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise PinferError(f"cannot listen on {where}: {e.strerror}") from None
+    except UnicodeError as e:  # the IDNA codec: a label over 63 characters, an empty one ("a..b")
+        raise PinferError(f"cannot listen on {where}: not a host name or address ({e})") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise PinferError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise PinferError(f"cannot listen on {where}: {e.strerror}") from None
     return sock
 
 
@@ -168,8 +195,7 @@ def run_uvicorn(app_, sock: socket.socket, m, model_id: str, queue: int, auth: b
 
 
 def main() -> None:
-    interrupts_raise()
-    app()
+    run_app(app, "pi-serve")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import platform
 import time
@@ -251,6 +252,32 @@ _GPU_KEYS = {"name": str, "vram_gib": float, "mem_bw_gbs": float, "pcie_gen": in
 _ZERO_OK = {"op_us", "token_us", "latency_us", "gpu_launch_us", "sync_us"} | _ZERO_OK_HOST
 
 
+# What a number of a machine (in a --hw file or a flag) may be: finite, and within what a machine can have. Beyond
+# these a value is a typo, and the cost model's products overflow: NaN reached the solver ("internal error:
+# PulpError: Cannot multiply variables with NaN/inf values"), 1e300 GiB of RAM became int(inf) ("OverflowError"), and
+# 1e-300 GB/s, or 1e300 us per operator, made every plan "infeasible: no placement fits the VRAM budget(s) and host
+# RAM", which is not what was wrong. Microseconds and counts not named here: from 0 (or above 0) to US_MAX.
+RANGES = {"cores": (1, 4096), "pcie_gen": (1, 8), "pcie_lanes": (1, 64), "mem_bw_gbs": (1e-3, 1e7),
+          "bw_gbs": (1e-3, 1e7), "gflops_per_core": (1e-3, 1e7), "fp16_tflops": (1e-3, 1e7),
+          "host_ram_gib": (0, 2**30), "vram_gib": (0, 2**30), "vram_budget_gib": (0, 2**30),
+          "bw_efficiency": (1e-9, 1), "gpu_bw_efficiency": (1e-9, 1)}
+# of a bandwidth: below, again "infeasible" (1e-20 is); the GPU emulation's fitted efficiencies are ~1e-6
+SHARE_MIN = 1e-9
+US_MAX = 1e6
+UNITS = {"gbs": " GB/s", "gib": " GiB", "us": " us", "tflops": " TFLOPS"}
+
+
+def check_range(name: str, key: str, value: float) -> None:
+    """`value` of the machine quantity `key` (named `name` in the message: a flag or a file's key) is finite and in
+    RANGES; a PinferError saying which bounds otherwise. A bound of 0 is exclusive (zero is refused by the callers,
+    where it is not allowed)."""
+    lo, hi = RANGES.get(key, (0, US_MAX))
+    unit = UNITS.get(key.rsplit("_", 1)[-1], "")
+    if not (math.isfinite(value) and lo <= value <= hi):
+        shown = [f"{int(b):,}" if float(b).is_integer() else f"{b:g}" for b in (lo, hi)]
+        raise PinferError(f"{name} must be a finite number from {shown[0]} to {shown[1]}{unit}, got {value!r}")
+
+
 def _checked(path: Path, section: str, table, schema: dict) -> dict:
     if not isinstance(table, dict):
         raise PinferError(f"{path}: [{section}] must be a table")
@@ -265,9 +292,9 @@ def _checked(path: Path, section: str, table, schema: dict) -> dict:
                                   f"{{ f16 = 0.87, q4_0 = 0.30 }}")
             out[key] = {}
             for ty, share in value.items():
-                if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-                    raise PinferError(f"{path}: [{section}] {key}.{ty} is a share of the bandwidth, in (0, 1]; "
-                                      f"got {share!r}")
+                if isinstance(share, bool) or not isinstance(share, (int, float)) or not SHARE_MIN <= share <= 1:
+                    raise PinferError(f"{path}: [{section}] {key}.{ty} is a share of the bandwidth, in "
+                                      f"[{SHARE_MIN:g}, 1]; got {share!r}")
                 out[key][ty.lower()] = float(share)
             continue
         if want is str:
@@ -279,6 +306,7 @@ def _checked(path: Path, section: str, table, schema: dict) -> dict:
                                   f"got {value!r}")
             if value < 0 or (value == 0 and key not in _ZERO_OK):
                 raise PinferError(f"{path}: [{section}] {key} must be positive, got {value!r}")
+            check_range(f"{path}: [{section}] {key}", key, value)  # TOML and JSON both read nan and inf
             value = want(value)
         out[key] = value
     return out
@@ -287,13 +315,10 @@ def _checked(path: Path, section: str, table, schema: dict) -> dict:
 def load_hw_file(path: str | os.PathLike) -> dict:
     """Parse and validate a --hw file into {'cpu': {...}, 'pcie': {...}, 'engine': {...}, 'host': {...},
     'gpus': [GPU, ...]}: a TOML machine file, or the JSON of benchmarks/hybrid_overhead.py --json (host constants)."""
+    from pinfer_llm.formats.textfile import read_text
+
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise PinferError(f"{path}: no such --hw file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PinferError(f"{path}: cannot read --hw file ({exc})") from None
+    text = read_text(path, "--hw file")  # a FIFO, a device, a binary file: one line each
     if path.suffix.lower() == ".json":
         return _overhead_json(path, text)
     try:

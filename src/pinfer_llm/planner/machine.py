@@ -17,6 +17,7 @@ from pinfer_llm.planner.calibration import Calibration
 from pinfer_llm.planner.hardware import (
     CPU,
     Hardware,
+    check_range,
     cpu_name,
     detect_cores,
     host_ram_gib,
@@ -121,10 +122,13 @@ def resolve_hardware(gpus: list[str] | None = None, *, vram_budget_gib: float | 
     """Hardware from the table, an optional --hw file and flags (in that order of precedence)."""
     spec = load_hw_file(hw_file) if hw_file else {"cpu": {}, "pcie": {}, "engine": {}, "host": {}, "gpus": []}
     gpu_list = [lookup_gpu(n) for n in gpus] if gpus else list(spec["gpus"])
-    for name, value in (("--vram-budget", vram_budget_gib), ("--pcie-bw", pcie_bw_gbs), ("--cpu-cores", cpu_cores),
-                        ("--cpu-bw", cpu_bw_gbs), ("--host-ram", host_ram)):
+    for name, key, value in (("--vram-budget", "vram_budget_gib", vram_budget_gib),
+                             ("--pcie-bw", "bw_gbs", pcie_bw_gbs), ("--cpu-cores", "cores", cpu_cores),
+                             ("--cpu-bw", "mem_bw_gbs", cpu_bw_gbs), ("--host-ram", "host_ram_gib", host_ram)):
         if value is not None and value <= 0:
             raise PinferError(f"{name} must be positive, got {value}")
+        if value is not None:
+            check_range(name, key, value)  # the same bounds as a --hw file's
     if vram_budget_gib is not None:
         for g in gpu_list:
             g.vram_budget_gib = vram_budget_gib

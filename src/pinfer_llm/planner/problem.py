@@ -67,6 +67,8 @@ def build_problem(model: str | os.PathLike | GGUFFile, hw: Hardware, *, ctx_size
     if kv_type not in KV_TYPES:
         raise PinferError(f"unknown --kv-type '{kv_type}' (one of {', '.join(KV_TYPES)})")
     mb = account(f, ctx_size, KV_TYPES[kv_type])
+    # a group of more neurons than a layer has is the whole layer (--group 10^20 made numpy's breakpoints objects)
+    group = min(group, max(mb.n_ff, default=1))
     act = activations or load_activations(f, mb.n_ff, act_dir, act_tokens)
     order, prefix = [], []
     for freq in act.freq:

@@ -317,8 +317,8 @@ def load_model(path: str | os.PathLike, threads: int | None = None, ctx_size: in
     if threads is not None and threads < 1:
         raise PinferError(f"threads must be at least 1, got {threads}")
     check_placement(placement or ("layers" if n_gpu_layers is not None else "plan"), n_gpu_layers)
-    if vram_budget is not None and not vram_budget > 0:
-        raise PinferError(f"--vram-budget must be positive, got {vram_budget}")
+    if vram_budget is not None and not (0 < vram_budget < float("inf")):  # inf was taken (a warning, no GPU)
+        raise PinferError(f"--vram-budget must be a finite number above 0, got {vram_budget}")
     if threads:
         torch.set_num_threads(threads)
     # first, so that a build (once per machine) shows apart from the model's own load; later calls are free

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pinfer_llm.formats.errors import PinferError
+from pinfer_llm.formats.textfile import read_text
 
 CORPUS_DIR = Path(__file__).parent
 HELDOUT = CORPUS_DIR / "heldout.txt"  # never profiled: kept for perplexity measurements
@@ -30,12 +31,7 @@ def corpus_windows(tokenizer, files: Sequence[Path], ctx: int, max_tokens: int |
     total, used = 0, []
     for p in files:
         p = Path(p)
-        if not p.is_file():
-            raise PinferError(f"{p}: no such corpus file")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise PinferError(f"{p}: not UTF-8 text; pass plain text files with --corpus") from None
+        text = read_text(p, "corpus file")  # a FIFO, a device, a binary file: one line each
         ids = tokenizer.encode(text)
         if max_tokens is not None:
             ids = ids[:max(0, max_tokens - total)]
