@@ -93,18 +93,9 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.src)
     sys.path.insert(1, str(ROOT / "benchmarks"))
-    out = []
-    for name in args.models.split(","):
-        if name == "smollm2":
-            out.append(measure(name, "smollm2", {}, args))
-        elif name == "planted":
-            import sparsity_demo as sd
+    import sparsity_demo as sd
 
-            path = sd.default_path(sd.SHAPE, 0.9, 0.99)
-            sd.ensure_model(path, sd.parse_shape(sd.SHAPE), threads=args.threads, say=lambda msg: None)
-            out.append(measure(f"planted {sd.SHAPE} ({path.name})", str(path), {"ffn_mode": "sparse"}, args))
-        else:
-            raise SystemExit(f"--models: unknown model '{name}' (smollm2, planted)")
+    out = [measure(label, path, kw, args) for label, path, kw in sd.bench_models(args.models, args.threads)]
     if args.json:
         print(json.dumps({"threads": args.threads, "src": args.src, "results": out}, indent=2))
         return

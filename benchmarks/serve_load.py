@@ -326,8 +326,7 @@ def planted(args) -> dict:
     """A planted ReLU model with predictors (sparsity_demo's), pi-serve --sparse: one client vs 4, completions."""
     import sparsity_demo as sd
 
-    path = sd.default_path(sd.SHAPE, 0.9, 0.99)
-    sd.ensure_model(path, sd.parse_shape(sd.SHAPE), threads=args.threads, say=lambda msg: None)
+    path = sd.planted_model(args.threads)
     p, url = start_server(str(path), args.threads, 8, ("--parallel", str(args.parallel), "-c", "1024", "--sparse"))
     try:
         stream_chat(url, "Warm up", 8)

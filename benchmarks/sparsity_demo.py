@@ -138,6 +138,27 @@ def ensure_model(path: Path, dims: dict, sparsity: float = 0.9, recall: float = 
     return took
 
 
+
+def planted_model(threads: int = 2) -> Path:
+    """The demo's planted model with its predictors (made into build/ on first use, silently), for other benchmarks."""
+    path = default_path(SHAPE, 0.9, 0.99)
+    ensure_model(path, parse_shape(SHAPE), threads=threads, say=lambda msg: None)
+    return path
+
+
+def bench_models(names: str, threads: int = 2) -> list[tuple[str, str, dict]]:
+    """--models of the batching benchmarks ("smollm2,planted") as (label, path, load_model keywords)."""
+    out = []
+    for name in names.split(","):
+        if name == "smollm2":
+            out.append((name, "smollm2", {}))
+        elif name == "planted":
+            path = planted_model(threads)
+            out.append((f"planted {SHAPE} ({path.name})", str(path), {"ffn_mode": "sparse"}))
+        else:
+            raise SystemExit(f"--models: unknown model '{name}' (smollm2, planted)")
+    return out
+
 def ffn_bytes(f, cfg) -> dict:
     """Bytes of FFN weights, summed over the layers, by role: gate rows, up + down rows, predictors."""
     from pinfer_llm.formats import constants as C
