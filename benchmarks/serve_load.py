@@ -73,11 +73,18 @@ def start_server(model: str, threads: int, queue: int, extra: tuple[str, ...] = 
                           "--queue", str(queue), *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True,
                          env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")})
-    line = p.stderr.readline()
-    m = re.search(r"on (http://\S+)/v1 ", line)
+    # pi-serve may warn before it listens (other processes keeping cores busy, a stale plan): skip those lines, a
+    # bounded number of them, until the one that says where it listens
+    seen = []
+    for _ in range(20):
+        line = p.stderr.readline()
+        seen.append(line)
+        m = re.search(r"on (http://\S+)/v1 ", line)
+        if m or not line:
+            break
     if not m:
         p.kill()
-        raise SystemExit(f"pi-serve did not start: {line}{p.stderr.read()}")
+        raise SystemExit(f"pi-serve did not start: {''.join(seen)}{p.stderr.read()}")
     threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # drain its log
     url = m.group(1)
     deadline = time.monotonic() + 60
