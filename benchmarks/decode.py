@@ -19,7 +19,8 @@ generation of --tokens tokens after an empty prompt, one repetition per round), 
 This script never builds llama.cpp; without --llama-bench it says so.
 
 `--forward` adds pinfer with its fused decode step off (PINFER_DECODE_STEP=0: every token through the Python forward,
-runtime/cpu/step.py), so the step's own gain is a paired ratio of the same run.
+runtime/cpu/step.py), so the step's own gain is a paired ratio of the same run. `--no-team` adds pinfer with the
+step's one-team decode off (PINFER_DECODE_TEAM=0: the pool forked per operation, csrc/step.cpp decode_layers).
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def run_worker(engine: str, args) -> dict:
     env = dict(os.environ)
     if engine == "pinfer-forward":
         env["PINFER_DECODE_STEP"] = "0"
+    if engine == "pinfer-noteam":
+        env["PINFER_DECODE_TEAM"] = "0"
     cmd = [sys.executable, __file__, "--worker", engine.split("-")[0], "--model", args.model,
            "--threads", str(args.threads),
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--prefill", str(args.prefill),
@@ -162,6 +165,7 @@ def main() -> None:
     ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary, to run beside the others "
                     "(never built by this script)")
     ap.add_argument("--forward", action="store_true", help="also run pinfer without its fused decode step")
+    ap.add_argument("--no-team", action="store_true", help="also run pinfer with the step's team decode off")
     ap.add_argument("--worker", choices=["pinfer", "llamacpp"], help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -175,7 +179,8 @@ def main() -> None:
     from pinfer_llm.runtime.engine import resolve_model_path
 
     args.model = str(resolve_model_path(args.model))
-    engines, missing = ["pinfer", *(["pinfer-forward"] if args.forward else [])], {}
+    engines = ["pinfer", *(["pinfer-forward"] if args.forward else []), *(["pinfer-noteam"] if args.no_team else [])]
+    missing: dict[str, str] = {}
     try:
         import llama_cpp  # noqa: F401
 
@@ -231,10 +236,12 @@ def main() -> None:
         return
     names = {"llamacpp": "llama.cpp via llama-cpp-python (per-token Python loop)",
              "llama-bench": "llama.cpp's llama-bench (C++ loop)",
-             "pinfer-forward": "pinfer without its fused decode step (the Python forward per token)"}
+             "pinfer-forward": "pinfer without its fused decode step (the Python forward per token)",
+             "pinfer-noteam": "pinfer with the step forking the pool per operation (PINFER_DECODE_TEAM=0)"}
     print(f"RESULT: pinfer / llama.cpp decode speed, median of per-round paired ratios over {args.rounds} rounds "
           f"({Path(args.model).name}, {args.threads} threads, {args.tokens} tokens):")
-    for e in ("llamacpp", "llama-bench", *(["pinfer-forward"] if args.forward else [])):
+    for e in ("llamacpp", "llama-bench", *(["pinfer-forward"] if args.forward else []),
+              *(["pinfer-noteam"] if args.no_team else [])):
         if e in paired:
             v = summary["paired_decode_ratio"][e]
             print(f"  vs {names[e]}: {v['median']:.2f}x  (per round: {', '.join(f'{x:.2f}' for x in v['per_round'])})")

@@ -26,7 +26,9 @@ from pinfer_llm import synth
 from pinfer_llm.runtime import load_model
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import step as cpu_step
+from pinfer_llm.runtime.ffn.dense import DenseFFN
 from pinfer_llm.runtime.ffn.ops import FFNRows
+from pinfer_llm.runtime.linear import Linear
 from pinfer_llm.runtime.ffn.predictor import Predictor
 from pinfer_llm.runtime.ffn.sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN
 from pinfer_llm.runtime.loader import transposed
@@ -91,12 +93,18 @@ def set_mode(tr, mode: str, seed: int = 0) -> None:
         b.ffn = SparseFFN(rows, masker)
 
 
-def model(files, arch: str, qtype: T = T.F32, mode: str = "dense", kv: str = "f16"):
+def model(files, arch: str, qtype: T = T.F32, mode: str = "dense", kv: str = "f16", ffn_down: bool = False):
+    """ffn_down: a planted PowerInfer file's FFNs given llama.cpp's ffn_down [d, n_ff] instead of ffn_down_t, so that
+    their dense step takes ffn_mm (FFN_MM) as a converted file's would."""
     m = load_model(files[arch], threads=2, ffn_mode="dense", kv_type=kv)
     tr = m.transformer
     if arch == "falcon-7b":  # one norm feeds both branches
         for b in tr.blocks:
             b.attn_norm = b.ffn_norm
+    if ffn_down:
+        for b in tr.blocks:
+            if b.ffn.down is None:
+                b.ffn = DenseFFN(b.ffn.rows, Linear([transposed(b.ffn.rows.down_t)]))
     requantise(tr, qtype)
     if mode != "dense":
         set_mode(tr, mode)
@@ -254,3 +262,45 @@ def test_a_range_of_layers_and_a_subset_of_neurons(files):
         assert torch.equal(y, ffn_sparse(tr.blocks[1].ffn.w, xf, idx))
         with pytest.raises(RuntimeError, match="out of range"):
             native.ffn_subset(1, xf, torch.tensor([tr.cfg.n_ff]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads):
+    """With several threads a step over ffn_down runs each token on one team of threads meeting at barriers
+    (csrc/step.cpp decode_token); the step that forks the pool per operation (decode_layers) gives the same bits, for
+    every architecture (the planted ones given ffn_down: opt's biases and LayerNorm, falcon's parallel branches),
+    every weight type, and an uneven split (3 threads: shares of 64-wide rows, 4 heads and 128 neurons that do not
+    divide evenly). Plants (each seen failing, then restored): opt's FFN bias left out of the team's residual (opt
+    fails); the last unit of each share dropped; the team's neuron counts not added; the barrier between the key/value
+    write and the heads that read it removed (all 12 fail)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for qtype in TYPES:
+            m = model(files, arch, qtype, "dense", kv="f32" if qtype == T.Q8_0 else "f16", ffn_down=True)
+            tr = m.transformer
+            with torch.inference_mode():
+                tr.forward(torch.tensor(PROMPT), 0)
+                st = tr.decode_step()
+                x = tr.embed(torch.tensor([PROMPT[1]]), len(PROMPT))
+                runs = {}
+                for team in (True, False, True):
+                    st.native.set_team(team)
+                    # the same token at the same position each time: its cache rows are rewritten with the same bits
+                    runs.setdefault(team, []).append(st.native.run(x, len(PROMPT)).clone())
+            assert st.native is not None and tr._step is st
+            assert torch.equal(runs[True][0], runs[True][1]), (arch, qtype.name)
+            assert torch.equal(runs[True][0], runs[False][0]), (arch, qtype.name,
+                                                                float((runs[True][0] - runs[False][0]).abs().max()))
+            # and the team counts the layers' neurons as the forked step does
+            st.native.take_active()
+            st.native.set_team(True)
+            st.native.run(x, len(PROMPT))
+            on = st.native.take_active().tolist()
+            st.native.set_team(False)
+            st.native.run(x, len(PROMPT))
+            assert st.native.take_active().tolist() == on
+    finally:
+        torch.set_num_threads(before)

@@ -14,7 +14,9 @@ Per layer the step holds: the two norms, the fused QKV matrices (+ bias), the ca
 predictor's indices, then qffn_sparse over them). The hybrid executor's CPU half can reuse the FFN part for the
 neurons it owns: FFN_PRED over a layer's CPU rows is qffn_sparse with the index list its predictor leaves the CPU.
 
-PINFER_DECODE_STEP=0 turns the step off (the forward runs every token), for comparisons.
+PINFER_DECODE_STEP=0 turns the step off (the forward runs every token), for comparisons. With several threads, a
+step whose every FFN is FFN_MM runs each token on one team of threads meeting at barriers (csrc/step.cpp
+decode_token) instead of forking the pool per operation; PINFER_DECODE_TEAM=0 turns that off (the same bits).
 """
 
 from __future__ import annotations
@@ -146,4 +148,5 @@ def build(tr, ns: str = cpu_kernels.NAMESPACE) -> DecodeStep | None:
             sparse.append((li, b.ffn.stats))
     n = tr.output_norm
     native.set_output(n.w, n.b, n.eps, n.layer, *_mats(tr.output))
+    native.set_team(os.environ.get("PINFER_DECODE_TEAM", "1") != "0")
     return DecodeStep(tr, native, signature(tr), sparse)

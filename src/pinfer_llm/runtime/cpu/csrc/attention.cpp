@@ -135,6 +135,31 @@ void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* r
   });
 }
 
+template <typename KV>
+void attend_store(const float* qkv, const float* rope, KV* kc, KV* vc, int64_t ctx, int64_t D, int64_t pos, int64_t H,
+                  int64_t Hkv, bool neox, float* q) {
+  store_row(qkv, rope, kc, vc, ctx, D, pos, H, Hkv, neox, q);
+}
+
+template <typename KV>
+void attend_heads(const float* q, const KV* kc, const KV* vc, int64_t ctx, int64_t D, int64_t pos, int64_t H,
+                  int64_t Hkv, float scale, int64_t h0, int64_t h1, float* out) {
+  thread_local std::vector<float> p;
+  thread_local std::vector<const uint8_t*> vrows;
+  const int64_t group = H / Hkv;
+  for (int64_t h = h0; h < h1; ++h)
+    attend_head(q + h * D, kc + (h / group) * ctx * D, vc + (h / group) * ctx * D, pos + 1, D, scale, out + h * D, p,
+                vrows);
+}
+
+template void attend_store<float>(const float*, const float*, float*, float*, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, bool, float*);
+template void attend_store<uint16_t>(const float*, const float*, uint16_t*, uint16_t*, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, bool, float*);
+template void attend_heads<float>(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, float, int64_t, int64_t, float*);
+template void attend_heads<uint16_t>(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, float, int64_t, int64_t, float*);
 template void attend_rows<float>(int64_t, const float*, int64_t, const float*, float* const*, float* const*, int64_t,
                                  int64_t, const int64_t*, int64_t, int64_t, float, bool, float*);
 template void attend_rows<uint16_t>(int64_t, const float*, int64_t, const float*, uint16_t* const*, uint16_t* const*,

@@ -16,6 +16,9 @@ int num_threads();  // torch.get_num_threads()
 int thread_num();   // this thread's index inside parallel_for, 0..num_threads()-1
 // at::parallel_for: [begin, end) cut into at most num_threads() contiguous chunks of at least `grain`
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+// f(thread, threads) on each of num_threads() threads of torch's pool at once (one OpenMP region): for work that
+// meets at barriers of its own instead of forking per operation. parallel_for inside f runs inline.
+void run_team(const std::function<void(int, int)>& f);
 // C [M, N] (row stride ldc) = A [M, K] (row stride lda) . B [N, K]^T (row stride ldb), fp32, by torch's GEMM (MKL
 // on x86 wheels), single-threaded when called inside parallel_for
 void sgemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
@@ -120,6 +123,16 @@ void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* r
                  int64_t ctx, int64_t D, const int64_t* pos, int64_t H, int64_t Hkv, float scale, bool neox,
                  float* out);
 
+// attend_decode's two halves, for a step whose threads split the heads themselves (step.cpp decode_token): q rotated
+// into q [H, D] and the position's key and value written (one thread), then the query heads [h0, h1) against the cache
+// rows 0..pos (any thread, once every row is written). Together: attend_decode's bits.
+template <typename KV>
+void attend_store(const float* qkv, const float* rope, KV* k_cache, KV* v_cache, int64_t ctx, int64_t D, int64_t pos,
+                  int64_t H, int64_t Hkv, bool neox, float* q);
+template <typename KV>
+void attend_heads(const float* q, const KV* k_cache, const KV* v_cache, int64_t ctx, int64_t D, int64_t pos, int64_t H,
+                  int64_t Hkv, float scale, int64_t h0, int64_t h1, float* out);
+
 // --- norm.cpp --------------------------------------------------------------------------------------------------------
 void rms_norm(const float* x, const float* w, int64_t T, int64_t d, float eps, float* y);
 void layer_norm(const float* x, const float* w, const float* b, int64_t T, int64_t d, float eps, float* y);
@@ -182,6 +195,16 @@ struct StepScratch {
 // forward calls for one token, in its order, so the result is the same bits.
 void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int64_t l0, int64_t l1, const float* rope,
                    int64_t pos, float* x, int64_t* active, StepScratch& sc);
+// One token through every layer and the output head (logits [vocab]) on a team of all num_threads() threads in one
+// OpenMP region, each thread taking its share of every matrix's rows, of the attention heads and of the FFN's neurons,
+// the threads meeting at six spin barriers per layer (llama.cpp's way: one pool for the whole graph), where
+// decode_layers forks the pool for each operation and leaves norms, activations and attention at short contexts to
+// one thread. Every value is computed by the same kernel call as decode_layers', so the logits are its bits. For
+// layers whose FFN is FFN_MM (team_step_applies); the others take decode_layers.
+bool team_step_applies(const std::vector<LayerStep>& layers);
+void decode_token(const StepShape& s, const std::vector<LayerStep>& layers, const float* rope, int64_t pos, float* x,
+                  int64_t* active, StepScratch& sc, const NormW& out_norm, const std::vector<Mat>& out_w,
+                  float* logits);
 // One KV cache's rows per layer ([Hkv, ctx, D] each, the layers' type): a batch's row reads and writes its own.
 struct SlotCache {
   std::vector<void*> k, v;

@@ -409,6 +409,7 @@ struct DecodeStep : torch::CustomClassHolder {
   StepScratch sc;
   std::vector<float> xbuf, xo, xn;
   std::vector<SlotCache> slots{1};  // slot 0: the caches add_attention was given; add_cache appends others
+  bool team = true;  // run: decode_token's one team where it applies (set_team(false): decode_layers, to compare)
 
   DecodeStep(int64_t d, int64_t n_head, int64_t n_head_kv, double scale, bool neox, const at::Tensor& rope_cs) {
     TORCH_CHECK(d > 0 && n_head > 0 && n_head_kv > 0 && n_head % n_head_kv == 0, "DecodeStep: bad head counts");
@@ -602,6 +603,11 @@ struct DecodeStep : torch::CustomClassHolder {
     for (const LayerStep& L : layers) TORCH_CHECK(pos >= 0 && pos < L.ctx, "position ", pos, " outside the cache");
     xbuf.assign(x.data_ptr<float>(), x.data_ptr<float>() + shape.d);
     const float* rp = rope.data_ptr<float>() + pos * shape.D;
+    if (team && num_threads() > 1 && team_step_applies(layers)) {
+      at::Tensor logits = at::empty({1, vocab}, x.options());
+      decode_token(shape, layers, rp, pos, xbuf.data(), active.data(), sc, out_norm, out_w, logits.data_ptr<float>());
+      return logits;
+    }
     decode_layers(shape, layers, 0, (int64_t)layers.size(), rp, pos, xbuf.data(), active.data(), sc);
     xo.resize(shape.d);
     apply_norm(out_norm, xbuf.data(), 1, shape.d, xo.data());
@@ -755,6 +761,7 @@ TORCH_LIBRARY(PINFER_NS, m) {
   m.class_<DecodeStep>("DecodeStep")
       .def(torch::init<int64_t, int64_t, int64_t, double, bool, at::Tensor>())
       .def("add_attention", &DecodeStep::add_attention)
+      .def("set_team", [](const c10::intrusive_ptr<DecodeStep>& self, bool on) { self->team = on; })
       .def("set_ffn_norm", &DecodeStep::set_ffn_norm)
       .def("set_ffn", &DecodeStep::set_ffn)
       .def("set_predictor", &DecodeStep::set_predictor)

@@ -6,8 +6,10 @@
 // calls, in its order and with its arguments, so the two give the same bits (tests/test_decode_step.py holds them
 // to it).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
+#include <thread>
 
 #include "kernels.h"
 
@@ -150,6 +152,172 @@ void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int
     if (L.ffn_bias) add(sc.f.data(), L.ffn_bias, d);
     for (int64_t i = 0; i < d; ++i) x[i] = sc.y[i] + sc.f[i];
   }
+}
+
+namespace {
+
+// The barrier of decode_token's team: the last thread to arrive opens the next generation. Spins (the waits are
+// microseconds: one matrix's share of rows), then yields, so a thread the OS took away does not stall the others'
+// cores.
+struct SpinBarrier {
+  std::atomic<int> arrived{0}, gen{0}, n{1};
+  void wait() {
+    const int P = n.load(std::memory_order_relaxed);
+    if (P == 1) return;
+    const int g = gen.load(std::memory_order_relaxed);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == P - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      gen.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spin = 0; gen.load(std::memory_order_acquire) == g; ++spin) {
+      if (spin < 20000) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+};
+
+// Thread p's share [b, e) of n items, in whole units where it can
+void share(int64_t n, int p, int P, int64_t unit, int64_t& b, int64_t& e) {
+  const int64_t units = (n + unit - 1) / unit;
+  b = std::min(n, units * p / P * unit);
+  e = std::min(n, units * (p + 1) / P * unit);
+}
+
+bool need_q8(const std::vector<Mat>& ws) {
+  for (const Mat& m : ws)
+    if (is_block(m.type)) return true;
+  return false;
+}
+
+// y[r] = row r of the matrices ws (stacked) . a, for the stacked rows [b, e): qmatmul's streaming path for one token,
+// on this thread (a row's sum does not depend on which rows share its call)
+void rows_part(const Acts& a, const std::vector<Mat>& ws, int64_t b, int64_t e, float* y) {
+  thread_local std::vector<const uint8_t*> rows;
+  int64_t off = 0;
+  for (const Mat& m : ws) {
+    const int64_t lo = std::max(b, off), hi = std::min(e, off + m.rows);
+    if (lo < hi) {
+      rows.resize(hi - lo);
+      for (int64_t r = lo; r < hi; ++r) rows[r - lo] = m.row(r - off);
+      dot_rows(m.type, rows.data(), hi - lo, a, y + lo, 1);
+    }
+    off += m.rows;
+  }
+}
+
+int64_t rows_of(const std::vector<Mat>& ws) {
+  int64_t n = 0;
+  for (const Mat& m : ws) n += m.rows;
+  return n;
+}
+
+}  // namespace
+
+bool team_step_applies(const std::vector<LayerStep>& layers) {
+  for (const LayerStep& L : layers)
+    if (L.kind != FFN_MM) return false;
+  return !layers.empty();
+}
+
+void decode_token(const StepShape& s, const std::vector<LayerStep>& layers, const float* rope, int64_t pos, float* x,
+                  int64_t* active, StepScratch& sc, const NormW& out_norm, const std::vector<Mat>& out_w,
+                  float* logits) {
+  const int64_t d = s.d, D = s.D, H = s.H, Hkv = s.Hkv, nq = (H + 2 * Hkv) * D, hd = H * D;
+  int64_t n_ff = 0;
+  for (const LayerStep& L : layers) n_ff = std::max(n_ff, L.up.rows);
+  const int64_t vocab = rows_of(out_w);
+  // shared between the threads: each element written by one thread, read by others after a barrier
+  sc.qkv.resize(nq), sc.heads.resize(2 * hd), sc.y.resize(d), sc.f.resize(n_ff);
+  float *qkv = sc.qkv.data(), *q = sc.heads.data(), *heads = q + hd, *y = sc.y.data(), *hbuf = sc.f.data();
+  SpinBarrier bar;
+  run_team([&](int p, int P) {
+    bar.n.store(P, std::memory_order_relaxed);  // every thread stores the same P before its first wait
+    // this thread's own: normed inputs, q8 activations, its neurons' gate and up sums
+    thread_local std::vector<float> xa, xf, gu;
+    thread_local Acts acts;
+    xa.resize(d), xf.resize(d);
+    int64_t b, e;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const LayerStep& L = layers[l];
+      // attention: norm (every thread, the same bits), its share of the QKV rows
+      apply_norm(L.attn_norm, x, 1, d, xa.data());
+      acts.prepare(xa.data(), 1, d, d, need_q8(L.qkv));
+      share(nq, p, P, 8, b, e);
+      rows_part(acts, L.qkv, b, e, qkv);
+      if (L.bqkv)
+        for (int64_t i = b; i < e; ++i) qkv[i] += L.bqkv[i];
+      bar.wait();
+      if (p == 0) {
+        if (L.kv_half)
+          attend_store<uint16_t>(qkv, rope, (uint16_t*)L.k_cache, (uint16_t*)L.v_cache, L.ctx, D, pos, H, Hkv, s.neox,
+                                 q);
+        else
+          attend_store<float>(qkv, rope, (float*)L.k_cache, (float*)L.v_cache, L.ctx, D, pos, H, Hkv, s.neox, q);
+      }
+      bar.wait();
+      share(H, p, P, 1, b, e);
+      if (L.kv_half)
+        attend_heads<uint16_t>(q, (const uint16_t*)L.k_cache, (const uint16_t*)L.v_cache, L.ctx, D, pos, H, Hkv,
+                               s.scale, b, e, heads);
+      else
+        attend_heads<float>(q, (const float*)L.k_cache, (const float*)L.v_cache, L.ctx, D, pos, H, Hkv, s.scale, b, e,
+                            heads);
+      bar.wait();
+      // output projection and residual, y = x + attention, for this thread's rows
+      acts.prepare(heads, 1, hd, hd, need_q8(L.wo));
+      share(d, p, P, 8, b, e);
+      rows_part(acts, L.wo, b, e, y);
+      for (int64_t i = b; i < e; ++i) y[i] = x[i] + (L.bo ? y[i] + L.bo[i] : y[i]);
+      bar.wait();
+      // the FFN: this thread's neurons' gate and up rows, their activations; then its share of ffn_down's rows
+      const float* resid = L.parallel ? x : y;
+      const float* xin = xa.data();
+      if (!(L.parallel && L.ffn_norm_shared)) {
+        apply_norm(L.ffn_norm, resid, 1, d, xf.data());
+        xin = xf.data();
+      }
+      const bool gated = L.gate.p != nullptr;
+      const int64_t nf = L.up.rows;
+      std::vector<Mat> gw;
+      if (gated) gw.push_back(L.gate);
+      gw.push_back(L.up);
+      acts.prepare(xin, 1, d, d, need_q8(gw));
+      share(nf, p, P, 8, b, e);
+      gu.resize(2 * (e - b));
+      float *g = gu.data(), *u = g + (e - b);
+      if (e > b) {
+        thread_local std::vector<const uint8_t*> rows;
+        rows.resize(e - b);
+        if (gated) {
+          for (int64_t i = b; i < e; ++i) rows[i - b] = L.gate.row(i);
+          dot_rows(L.gate.type, rows.data(), e - b, acts, g, 1);
+        }
+        for (int64_t i = b; i < e; ++i) rows[i - b] = L.up.row(i);
+        dot_rows(L.up.type, rows.data(), e - b, acts, u, 1);
+      }
+      for (int64_t i = b; i < e; ++i)
+        hbuf[i] = ffn_act(L.act, gated ? g[i - b] : 0.f, L.up_bias ? u[i - b] + L.up_bias[i] : u[i - b]);
+      bar.wait();
+      acts.prepare(hbuf, 1, nf, nf, is_block(L.down.type));
+      share(d, p, P, 8, b, e);
+      float* f = xf.data();  // this thread's down sums, at their row offsets
+      rows_part(acts, {L.down}, b, e, f);
+      for (int64_t i = b; i < e; ++i) x[i] = y[i] + (L.ffn_bias ? f[i] + L.ffn_bias[i] : f[i]);
+      if (p == 0) active[l] += nf;
+      bar.wait();
+    }
+    // the output head: norm, this thread's share of the vocabulary
+    apply_norm(out_norm, x, 1, d, xa.data());
+    acts.prepare(xa.data(), 1, d, d, need_q8(out_w));
+    share(vocab, p, P, 8, b, e);
+    rows_part(acts, out_w, b, e, logits);
+  });
 }
 
 void decode_rows(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
