@@ -28,9 +28,9 @@ from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 from pinfer_llm.runtime.cpu import step as cpu_step
 from pinfer_llm.runtime.ffn.dense import DenseFFN
 from pinfer_llm.runtime.ffn.ops import FFNRows
-from pinfer_llm.runtime.linear import Linear
 from pinfer_llm.runtime.ffn.predictor import Predictor
 from pinfer_llm.runtime.ffn.sparse import CatsOracleMasker, PredictorMasker, ReluOracleMasker, SparseFFN
+from pinfer_llm.runtime.linear import Linear
 from pinfer_llm.runtime.loader import transposed
 from pinfer_llm.runtime.weights import quantize_like
 from tests.tiny import write_tiny
