@@ -269,7 +269,7 @@ def test_a_range_of_layers_and_a_subset_of_neurons(files):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads):
     """With several threads a step over ffn_down runs each token on one team of threads meeting at barriers
-    (csrc/step.cpp decode_token); the step that forks the pool per operation (decode_layers) gives the same bits, for
+    (csrc/step.cpp decode_team); the step that forks the pool per operation (decode_layers) gives the same bits, for
     every architecture (the planted ones given ffn_down: opt's biases and LayerNorm, falcon's parallel branches),
     every weight type, and an uneven split (3 threads: shares of 64-wide rows, 4 heads and 128 neurons that do not
     divide evenly). Plants (each seen failing, then restored): opt's FFN bias left out of the team's residual (opt
@@ -294,6 +294,16 @@ def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads):
             assert torch.equal(runs[True][0], runs[True][1]), (arch, qtype.name)
             assert torch.equal(runs[True][0], runs[False][0]), (arch, qtype.name,
                                                                 float((runs[True][0] - runs[False][0]).abs().max()))
+            # several sequences' rows in one call (run_rows: a prompt's rows and decode rows of other caches, the
+            # logits of some of them), team and forked: the same logits and the same cache rows
+            caches = [m.new_cache() for _ in range(2)]
+            toks, pos, out = [3, 9, 14, 2, 60], [0, 1, 2, 0, 1], [0, 2, 4, 4]
+            rows, got = [caches[0]] * 3 + [caches[1]] * 2, {}
+            for team in (True, False):
+                st.native.set_team(team)
+                got[team] = (m.run_rows(toks, pos, rows, out), [c.k[-1][:, :n].clone() for c, n in zip(caches, (3, 2), strict=True)])
+            assert torch.equal(got[True][0], got[False][0]), (arch, qtype.name, "rows")
+            assert all(map(torch.equal, got[True][1], got[False][1])), (arch, qtype.name, "cache rows")
             # and the team counts the layers' neurons as the forked step does
             st.native.take_active()
             st.native.set_team(True)

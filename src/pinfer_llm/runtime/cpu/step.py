@@ -16,7 +16,7 @@ neurons it owns: FFN_PRED over a layer's CPU rows is qffn_sparse with the index 
 
 PINFER_DECODE_STEP=0 turns the step off (the forward runs every token), for comparisons. With several threads, a
 step whose every FFN is FFN_MM runs each token on one team of threads meeting at barriers (csrc/step.cpp
-decode_token) instead of forking the pool per operation; PINFER_DECODE_TEAM=0 turns that off (the same bits).
+decode_team) instead of forking the pool per operation; PINFER_DECODE_TEAM=0 turns that off (the same bits).
 """
 
 from __future__ import annotations

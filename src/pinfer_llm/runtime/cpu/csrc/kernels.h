@@ -123,7 +123,7 @@ void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* r
                  int64_t ctx, int64_t D, const int64_t* pos, int64_t H, int64_t Hkv, float scale, bool neox,
                  float* out);
 
-// attend_decode's two halves, for a step whose threads split the heads themselves (step.cpp decode_token): q rotated
+// attend_decode's two halves, for a step whose threads split the heads themselves (step.cpp decode_team): q rotated
 // into q [H, D] and the position's key and value written (one thread), then the query heads [h0, h1) against the cache
 // rows 0..pos (any thread, once every row is written). Together: attend_decode's bits.
 template <typename KV>
@@ -195,20 +195,28 @@ struct StepScratch {
 // forward calls for one token, in its order, so the result is the same bits.
 void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int64_t l0, int64_t l1, const float* rope,
                    int64_t pos, float* x, int64_t* active, StepScratch& sc);
-// One token through every layer and the output head (logits [vocab]) on a team of all num_threads() threads in one
-// OpenMP region, each thread taking its share of every matrix's rows, of the attention heads and of the FFN's neurons,
-// the threads meeting at six spin barriers per layer (llama.cpp's way: one pool for the whole graph), where
-// decode_layers forks the pool for each operation and leaves norms, activations and attention at short contexts to
-// one thread. Every value is computed by the same kernel call as decode_layers', so the logits are its bits. For
-// layers whose FFN is FFN_MM (team_step_applies); the others take decode_layers.
-bool team_step_applies(const std::vector<LayerStep>& layers);
-void decode_token(const StepShape& s, const std::vector<LayerStep>& layers, const float* rope, int64_t pos, float* x,
-                  int64_t* active, StepScratch& sc, const NormW& out_norm, const std::vector<Mat>& out_w,
-                  float* logits);
 // One KV cache's rows per layer ([Hkv, ctx, D] each, the layers' type): a batch's row reads and writes its own.
 struct SlotCache {
   std::vector<void*> k, v;
 };
+// The output head for decode_team: logits [n_rows, vocab] of the rows `rows` (normed by `norm`).
+struct TeamHead {
+  const NormW* norm;
+  const std::vector<Mat>* w;
+  const int64_t* rows;
+  int64_t n_rows;
+  float* logits;
+};
+// decode_rows (T = 1: decode_layers) and then the output head, on a team of all num_threads() threads in one OpenMP
+// region: each thread takes its share of every matrix's rows, of the rows' attention heads and of the FFN's neurons,
+// and the threads meet at six spin barriers per layer (llama.cpp's way: one pool for the whole graph), where
+// decode_rows forks the pool for each operation and leaves norms, activations and short attention to one thread.
+// Every value comes from the same kernel call as there, so the logits and cache rows are its bits. For layers whose
+// FFN is FFN_MM (team_step_applies); the others take decode_rows / decode_layers.
+bool team_step_applies(const std::vector<LayerStep>& layers);
+void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
+                 const float* rope, int64_t T, const int64_t* pos, const int64_t* slot, float* x, int64_t* active,
+                 StepScratch& sc, const TeamHead* head);
 // T rows through every layer at once (a batch: decode steps of several sequences, prompt rows, or both), row t at
 // position pos[t] in the cache slots[slot[t]]; x [T, d] updated in place. Each row's result is the bits decode_layers
 // gives it alone: the matmuls take T < GEMM_MIN_T rows (rows independent), attention runs row by row in the given

@@ -409,7 +409,7 @@ struct DecodeStep : torch::CustomClassHolder {
   StepScratch sc;
   std::vector<float> xbuf, xo, xn;
   std::vector<SlotCache> slots{1};  // slot 0: the caches add_attention was given; add_cache appends others
-  bool team = true;  // run: decode_token's one team where it applies (set_team(false): decode_layers, to compare)
+  bool team = true;  // run, run_rows: decode_team where it applies (set_team(false): decode_layers/rows, to compare)
 
   DecodeStep(int64_t d, int64_t n_head, int64_t n_head_kv, double scale, bool neox, const at::Tensor& rope_cs) {
     TORCH_CHECK(d > 0 && n_head > 0 && n_head_kv > 0 && n_head % n_head_kv == 0, "DecodeStep: bad head counts");
@@ -582,6 +582,12 @@ struct DecodeStep : torch::CustomClassHolder {
     }
     for (int64_t i = 0; i < out_rows.numel(); ++i) TORCH_CHECK(o[i] >= 0 && o[i] < T, "out_rows: row out of range");
     xbuf.assign(x.data_ptr<float>(), x.data_ptr<float>() + T * d);
+    if (team && num_threads() > 1 && team_step_applies(layers)) {
+      at::Tensor logits = at::empty({out_rows.numel(), vocab}, x.options());
+      const TeamHead head{&out_norm, &out_w, o, out_rows.numel(), logits.data_ptr<float>()};
+      decode_team(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc, &head);
+      return logits;
+    }
     decode_rows(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc);
     const int64_t k = out_rows.numel();
     xo.resize(k * d);
@@ -605,7 +611,9 @@ struct DecodeStep : torch::CustomClassHolder {
     const float* rp = rope.data_ptr<float>() + pos * shape.D;
     if (team && num_threads() > 1 && team_step_applies(layers)) {
       at::Tensor logits = at::empty({1, vocab}, x.options());
-      decode_token(shape, layers, rp, pos, xbuf.data(), active.data(), sc, out_norm, out_w, logits.data_ptr<float>());
+      const int64_t zero = 0;
+      const TeamHead head{&out_norm, &out_w, &zero, 1, logits.data_ptr<float>()};
+      decode_team(shape, layers, slots, rope.data_ptr<float>(), 1, &pos, &zero, xbuf.data(), active.data(), sc, &head);
       return logits;
     }
     decode_layers(shape, layers, 0, (int64_t)layers.size(), rp, pos, xbuf.data(), active.data(), sc);

@@ -156,7 +156,7 @@ void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int
 
 namespace {
 
-// The barrier of decode_token's team: the last thread to arrive opens the next generation. Spins (the waits are
+// The barrier of decode_team's team: the last thread to arrive opens the next generation. Spins (the waits are
 // microseconds: one matrix's share of rows), then yields, so a thread the OS took away does not stall the others'
 // cores.
 struct SpinBarrier {
@@ -195,9 +195,9 @@ bool need_q8(const std::vector<Mat>& ws) {
   return false;
 }
 
-// y[r] = row r of the matrices ws (stacked) . a, for the stacked rows [b, e): qmatmul's streaming path for one token,
-// on this thread (a row's sum does not depend on which rows share its call)
-void rows_part(const Acts& a, const std::vector<Mat>& ws, int64_t b, int64_t e, float* y) {
+// y[t * ys + r] = row r of the matrices ws (stacked) . token t of a, for the stacked rows [b, e): qmatmul's streaming
+// path on this thread (a row's sums do not depend on which rows or how many tokens share its call)
+void rows_part(const Acts& a, const std::vector<Mat>& ws, int64_t b, int64_t e, float* y, int64_t ys) {
   thread_local std::vector<const uint8_t*> rows;
   int64_t off = 0;
   for (const Mat& m : ws) {
@@ -205,7 +205,7 @@ void rows_part(const Acts& a, const std::vector<Mat>& ws, int64_t b, int64_t e, 
     if (lo < hi) {
       rows.resize(hi - lo);
       for (int64_t r = lo; r < hi; ++r) rows[r - lo] = m.row(r - off);
-      dot_rows(m.type, rows.data(), hi - lo, a, y + lo, 1);
+      dot_rows(m.type, rows.data(), hi - lo, a, y + lo, ys);
     }
     off += m.rows;
   }
@@ -225,98 +225,118 @@ bool team_step_applies(const std::vector<LayerStep>& layers) {
   return !layers.empty();
 }
 
-void decode_token(const StepShape& s, const std::vector<LayerStep>& layers, const float* rope, int64_t pos, float* x,
-                  int64_t* active, StepScratch& sc, const NormW& out_norm, const std::vector<Mat>& out_w,
-                  float* logits) {
+void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
+                 const float* rope, int64_t T, const int64_t* pos, const int64_t* slot, float* x, int64_t* active,
+                 StepScratch& sc, const TeamHead* head) {
   const int64_t d = s.d, D = s.D, H = s.H, Hkv = s.Hkv, nq = (H + 2 * Hkv) * D, hd = H * D;
   int64_t n_ff = 0;
   for (const LayerStep& L : layers) n_ff = std::max(n_ff, L.up.rows);
-  const int64_t vocab = rows_of(out_w);
   // shared between the threads: each element written by one thread, read by others after a barrier
-  sc.qkv.resize(nq), sc.heads.resize(2 * hd), sc.y.resize(d), sc.f.resize(n_ff);
-  float *qkv = sc.qkv.data(), *q = sc.heads.data(), *heads = q + hd, *y = sc.y.data(), *hbuf = sc.f.data();
+  sc.qkv.resize(T * nq), sc.heads.resize(2 * T * hd), sc.y.resize(T * d), sc.f.resize(T * n_ff);
+  float *qkv = sc.qkv.data(), *q = sc.heads.data(), *heads = q + T * hd, *y = sc.y.data(), *hbuf = sc.f.data();
   SpinBarrier bar;
   run_team([&](int p, int P) {
     bar.n.store(P, std::memory_order_relaxed);  // every thread stores the same P before its first wait
-    // this thread's own: normed inputs, q8 activations, its neurons' gate and up sums
-    thread_local std::vector<float> xa, xf, gu;
+    // this thread's own: normed inputs, q8 activations, its neurons' gate and up sums, its rows of ffn_down
+    thread_local std::vector<float> xa, xf, gu, fo;
     thread_local Acts acts;
-    xa.resize(d), xf.resize(d);
+    xa.resize(T * d), xf.resize(T * d), fo.resize(T * d);
     int64_t b, e;
     for (size_t l = 0; l < layers.size(); ++l) {
       const LayerStep& L = layers[l];
-      // attention: norm (every thread, the same bits), its share of the QKV rows
-      apply_norm(L.attn_norm, x, 1, d, xa.data());
-      acts.prepare(xa.data(), 1, d, d, need_q8(L.qkv));
+      // attention: the norm (every thread, the same bits), this thread's share of the QKV rows
+      apply_norm(L.attn_norm, x, T, d, xa.data());
+      acts.prepare(xa.data(), T, d, d, need_q8(L.qkv));
       share(nq, p, P, 8, b, e);
-      rows_part(acts, L.qkv, b, e, qkv);
+      rows_part(acts, L.qkv, b, e, qkv, nq);
       if (L.bqkv)
-        for (int64_t i = b; i < e; ++i) qkv[i] += L.bqkv[i];
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = b; i < e; ++i) qkv[t * nq + i] += L.bqkv[i];
       bar.wait();
-      if (p == 0) {
+      // each row's key and value written (one thread, rows in order: a row reads the rows before it in its slot),
+      // then the T x H heads shared out
+      if (p == 0)
+        for (int64_t t = 0; t < T; ++t) {
+          const SlotCache& c = slots[slot[t]];
+          if (L.kv_half)
+            attend_store<uint16_t>(qkv + t * nq, rope + pos[t] * D, (uint16_t*)c.k[l], (uint16_t*)c.v[l], L.ctx, D,
+                                   pos[t], H, Hkv, s.neox, q + t * hd);
+          else
+            attend_store<float>(qkv + t * nq, rope + pos[t] * D, (float*)c.k[l], (float*)c.v[l], L.ctx, D, pos[t], H,
+                                Hkv, s.neox, q + t * hd);
+        }
+      bar.wait();
+      share(T * H, p, P, 1, b, e);
+      for (int64_t t = b / H; t < T && t * H < e; ++t) {
+        const SlotCache& c = slots[slot[t]];
+        const int64_t h0 = std::max(b - t * H, (int64_t)0), h1 = std::min(e - t * H, H);
         if (L.kv_half)
-          attend_store<uint16_t>(qkv, rope, (uint16_t*)L.k_cache, (uint16_t*)L.v_cache, L.ctx, D, pos, H, Hkv, s.neox,
-                                 q);
+          attend_heads<uint16_t>(q + t * hd, (const uint16_t*)c.k[l], (const uint16_t*)c.v[l], L.ctx, D, pos[t], H,
+                                 Hkv, s.scale, h0, h1, heads + t * hd);
         else
-          attend_store<float>(qkv, rope, (float*)L.k_cache, (float*)L.v_cache, L.ctx, D, pos, H, Hkv, s.neox, q);
+          attend_heads<float>(q + t * hd, (const float*)c.k[l], (const float*)c.v[l], L.ctx, D, pos[t], H, Hkv,
+                              s.scale, h0, h1, heads + t * hd);
       }
       bar.wait();
-      share(H, p, P, 1, b, e);
-      if (L.kv_half)
-        attend_heads<uint16_t>(q, (const uint16_t*)L.k_cache, (const uint16_t*)L.v_cache, L.ctx, D, pos, H, Hkv,
-                               s.scale, b, e, heads);
-      else
-        attend_heads<float>(q, (const float*)L.k_cache, (const float*)L.v_cache, L.ctx, D, pos, H, Hkv, s.scale, b, e,
-                            heads);
-      bar.wait();
       // output projection and residual, y = x + attention, for this thread's rows
-      acts.prepare(heads, 1, hd, hd, need_q8(L.wo));
+      acts.prepare(heads, T, hd, hd, need_q8(L.wo));
       share(d, p, P, 8, b, e);
-      rows_part(acts, L.wo, b, e, y);
-      for (int64_t i = b; i < e; ++i) y[i] = x[i] + (L.bo ? y[i] + L.bo[i] : y[i]);
+      rows_part(acts, L.wo, b, e, y, d);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = b; i < e; ++i) {
+          float& yi = y[t * d + i];
+          yi = x[t * d + i] + (L.bo ? yi + L.bo[i] : yi);
+        }
       bar.wait();
-      // the FFN: this thread's neurons' gate and up rows, their activations; then its share of ffn_down's rows
+      // the FFN: this thread's neurons' gate and up rows and their activations; then its share of ffn_down's rows
       const float* resid = L.parallel ? x : y;
       const float* xin = xa.data();
       if (!(L.parallel && L.ffn_norm_shared)) {
-        apply_norm(L.ffn_norm, resid, 1, d, xf.data());
+        apply_norm(L.ffn_norm, resid, T, d, xf.data());
         xin = xf.data();
       }
       const bool gated = L.gate.p != nullptr;
       const int64_t nf = L.up.rows;
-      std::vector<Mat> gw;
-      if (gated) gw.push_back(L.gate);
-      gw.push_back(L.up);
-      acts.prepare(xin, 1, d, d, need_q8(gw));
+      acts.prepare(xin, T, d, d, is_block(L.up.type) || (gated && is_block(L.gate.type)));
       share(nf, p, P, 8, b, e);
-      gu.resize(2 * (e - b));
-      float *g = gu.data(), *u = g + (e - b);
-      if (e > b) {
+      const int64_t k = e - b;
+      gu.resize(2 * T * k);
+      float *g = gu.data(), *u = g + T * k;
+      if (k > 0) {
         thread_local std::vector<const uint8_t*> rows;
-        rows.resize(e - b);
+        rows.resize(k);
         if (gated) {
           for (int64_t i = b; i < e; ++i) rows[i - b] = L.gate.row(i);
-          dot_rows(L.gate.type, rows.data(), e - b, acts, g, 1);
+          dot_rows(L.gate.type, rows.data(), k, acts, g, k);
         }
         for (int64_t i = b; i < e; ++i) rows[i - b] = L.up.row(i);
-        dot_rows(L.up.type, rows.data(), e - b, acts, u, 1);
+        dot_rows(L.up.type, rows.data(), k, acts, u, k);
       }
-      for (int64_t i = b; i < e; ++i)
-        hbuf[i] = ffn_act(L.act, gated ? g[i - b] : 0.f, L.up_bias ? u[i - b] + L.up_bias[i] : u[i - b]);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = b; i < e; ++i) {
+          const float gi = gated ? g[t * k + i - b] : 0.f, ui = u[t * k + i - b];
+          hbuf[t * nf + i] = ffn_act(L.act, gi, L.up_bias ? ui + L.up_bias[i] : ui);
+        }
       bar.wait();
-      acts.prepare(hbuf, 1, nf, nf, is_block(L.down.type));
+      acts.prepare(hbuf, T, nf, nf, is_block(L.down.type));
       share(d, p, P, 8, b, e);
-      float* f = xf.data();  // this thread's down sums, at their row offsets
-      rows_part(acts, {L.down}, b, e, f);
-      for (int64_t i = b; i < e; ++i) x[i] = y[i] + (L.ffn_bias ? f[i] + L.ffn_bias[i] : f[i]);
-      if (p == 0) active[l] += nf;
+      rows_part(acts, {L.down}, b, e, fo.data(), d);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = b; i < e; ++i) {
+          const float fi = fo[t * d + i];
+          x[t * d + i] = y[t * d + i] + (L.ffn_bias ? fi + L.ffn_bias[i] : fi);
+        }
+      if (p == 0) active[l] += nf * T;
       bar.wait();
     }
-    // the output head: norm, this thread's share of the vocabulary
-    apply_norm(out_norm, x, 1, d, xa.data());
-    acts.prepare(xa.data(), 1, d, d, need_q8(out_w));
+    if (!head) return;
+    // the output head over the rows asked for: norm, this thread's share of the vocabulary
+    const int64_t k = head->n_rows, vocab = rows_of(*head->w);
+    xa.resize(std::max(T, k) * d);
+    for (int64_t i = 0; i < k; ++i) apply_norm(*head->norm, x + head->rows[i] * d, 1, d, xa.data() + i * d);
+    acts.prepare(xa.data(), k, d, d, need_q8(*head->w));
     share(vocab, p, P, 8, b, e);
-    rows_part(acts, out_w, b, e, logits);
+    rows_part(acts, *head->w, b, e, head->logits, vocab);
   });
 }
 
