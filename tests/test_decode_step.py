@@ -301,7 +301,8 @@ def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads):
             rows, got = [caches[0]] * 3 + [caches[1]] * 2, {}
             for team in (True, False):
                 st.native.set_team(team)
-                got[team] = (m.run_rows(toks, pos, rows, out), [c.k[-1][:, :n].clone() for c, n in zip(caches, (3, 2), strict=True)])
+                logits = m.run_rows(toks, pos, rows, out)
+                got[team] = (logits, [c.k[-1][:, :n].clone() for c, n in zip(caches, (3, 2), strict=True)])
             assert torch.equal(got[True][0], got[False][0]), (arch, qtype.name, "rows")
             assert all(map(torch.equal, got[True][1], got[False][1])), (arch, qtype.name, "cache rows")
             # and the team counts the layers' neurons as the forked step does
