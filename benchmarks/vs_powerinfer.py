@@ -12,6 +12,10 @@ Every round runs both engines once, each in a fresh process, in alternating orde
 rounds of the per-round ratio pinfer / PowerInfer (decode tokens per second). PowerInfer's speed is read from its own
 timing line ("eval time = ... ms per token"); pinfer's from pi-run --json (decode tokens/s, the first token excluded in
 both). Peak RSS of each process is reported too (pinfer's target: file + KV cache + 300 MB).
+
+Beside each figure, the bytes bound: the weight bytes a token touches (every tensor but the embedding in full, and of
+the FFN's neuron rows, ffn_gate/ffn_up/ffn_down_t, the share pinfer computed), read at the streaming bandwidth of
+--threads threads measured in the run; the figure's share of it says how far from memory speed the engine is.
 """
 
 from __future__ import annotations
@@ -67,8 +71,33 @@ def run_powerinfer(main: str, model: Path, threads: int, tokens: int) -> dict:
             "text": out.stdout[-200:]}
 
 
+NEURON_ROWS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")
+
+
+def touched_bytes(model: Path, active: float) -> int:
+    """Weight bytes one decode token reads at this active share of the FFN's neurons (the embedding: one row)."""
+    from pinfer_llm.formats.reader import open_gguf  # PowerInfer's PWRI files too
+
+    total = 0
+    for t in open_gguf(model).tensors.values():
+        if t.name == "token_embd.weight":
+            total += t.nbytes // t.ne[-1]
+        elif t.name.endswith(NEURON_ROWS):
+            total += int(t.nbytes * active)
+        elif not t.name.endswith("ffn_down.weight"):  # a dense ffn_down beside ffn_down_t is not read in sparse mode
+            total += t.nbytes
+    return total
+
+
 def med(rows: list[dict], key: str) -> float:
     return round(statistics.median(x[key] for x in rows), 2)
+
+
+def bound(model: Path, active: float, bandwidth: float, tps: float) -> dict:
+    nbytes = touched_bytes(model, active)
+    tokens_per_s = bandwidth * 1e9 / nbytes
+    return {"bytes_per_token": nbytes, "bandwidth_gbs": round(bandwidth, 2), "tokens_per_s": round(tokens_per_s, 1),
+            "pinfer_share": round(tps / tokens_per_s, 3)}
 
 
 def make_models(args) -> list[Path]:
@@ -104,6 +133,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     models = [Path(m) for m in args.model] if args.model else make_models(args)
+    from pinfer_llm.planner.hardware import measure_cpu_bandwidth
+
+    bandwidth = measure_cpu_bandwidth(args.threads)  # GB/s
     summary = []
     for model in models:
         rows = {"pinfer": [], "powerinfer": []}
@@ -127,6 +159,8 @@ def main() -> None:
                         "pinfer_decode_tps_median": med(rows["pinfer"], "decode_tps"),
                         "powerinfer_decode_tps_median": med(rows["powerinfer"], "decode_tps"),
                         "pinfer_active_fraction": rows["pinfer"][0]["active"],
+                        "bound": bound(model, rows["pinfer"][0]["active"], bandwidth,
+                                       med(rows["pinfer"], "decode_tps")),
                         "pinfer_load_s": round(statistics.median(x["load_s"] for x in rows["pinfer"]), 3)})
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -136,6 +170,10 @@ def main() -> None:
               f"(median of per-round ratios {s['paired_ratios']}; pinfer {s['pinfer_decode_tps_median']} tok/s, "
               f"PowerInfer {s['powerinfer_decode_tps_median']} tok/s, {s['threads']} threads; pinfer computed "
               f"{s['pinfer_active_fraction']:.1%} of neurons)")
+        b = s["bound"]
+        print(f"  bound: {b['bytes_per_token'] / 1e6:.1f} MB touched per token at {b['bandwidth_gbs']:.1f} GB/s "
+              f"({s['threads']} threads, measured in this run) = {b['tokens_per_s']:.1f} tok/s; pinfer at "
+              f"{b['pinfer_share']:.0%} of it")
 
 
 if __name__ == "__main__":
