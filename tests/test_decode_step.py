@@ -265,21 +265,26 @@ def test_a_range_of_layers_and_a_subset_of_neurons(files):
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["ffn_down", "dense", "oracle", "pred"])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads):
-    """With several threads a step over ffn_down runs each token on one team of threads meeting at barriers
-    (csrc/step.cpp decode_team); the step that forks the pool per operation (decode_layers) gives the same bits, for
-    every architecture (the planted ones given ffn_down: opt's biases and LayerNorm, falcon's parallel branches),
-    every weight type, and an uneven split (3 threads: shares of 64-wide rows, 4 heads and 128 neurons that do not
-    divide evenly). Plants (each seen failing, then restored): opt's FFN bias left out of the team's residual (opt
-    fails); the last unit of each share dropped; the team's neuron counts not added; the barrier between the key/value
-    write and the heads that read it removed (all 12 fail)."""
+def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads, mode):
+    """With several threads the step runs each token on one team of threads meeting at barriers (csrc/step.cpp
+    decode_team); the step that forks the pool per operation (decode_layers) gives the same bits, for every
+    architecture (opt's biases and LayerNorm, falcon's parallel branches), every FFN the step knows (ffn_down: the
+    planted files given llama.cpp's ffn_down; dense over PowerInfer's ffn_down_t; exact masks; predictors, whose
+    batched rows keep the forked step), every weight type, and an uneven split (3 threads: shares of 64-wide rows,
+    4 heads and 128 neurons that do not divide evenly). Plants (each seen failing, then restored): opt's FFN bias left
+    out of the team's residual (opt fails); the last unit of each share dropped; the team's neuron counts not added;
+    the barrier between the key/value write and the heads that read it removed (all 12 then); every row's heads at
+    the first row's position (12); the sparse parts' sums not added (34 of 48); the predictor's outlier neurons
+    (`always`) dropped (the 12 predictor cases); the barrier after the sparse parts removed (34 of 48)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for qtype in TYPES:
-            m = model(files, arch, qtype, "dense", kv="f32" if qtype == T.Q8_0 else "f16", ffn_down=True)
+            m = model(files, arch, qtype, "dense" if mode == "ffn_down" else mode,
+                      kv="f32" if qtype == T.Q8_0 else "f16", ffn_down=mode == "ffn_down")
             tr = m.transformer
             with torch.inference_mode():
                 tr.forward(torch.tensor(PROMPT), 0)

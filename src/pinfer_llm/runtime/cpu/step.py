@@ -14,9 +14,10 @@ Per layer the step holds: the two norms, the fused QKV matrices (+ bias), the ca
 predictor's indices, then qffn_sparse over them). The hybrid executor's CPU half can reuse the FFN part for the
 neurons it owns: FFN_PRED over a layer's CPU rows is qffn_sparse with the index list its predictor leaves the CPU.
 
-PINFER_DECODE_STEP=0 turns the step off (the forward runs every token), for comparisons. With several threads, a
-step whose every FFN is FFN_MM runs each token on one team of threads meeting at barriers (csrc/step.cpp
-decode_team) instead of forking the pool per operation; PINFER_DECODE_TEAM=0 turns that off (the same bits).
+PINFER_DECODE_STEP=0 turns the step off (the forward runs every token), for comparisons. With several threads the
+step runs each token on one team of threads meeting at barriers (csrc/step.cpp decode_team) instead of forking the
+pool per operation (a batch of rows over predicted FFNs excepted); PINFER_DECODE_TEAM=0 turns that off (the same
+bits).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 // torch's thread pool and GEMM only through the three functions of torch_bridge.cpp.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "quant.h"
@@ -103,12 +105,39 @@ struct FFN {
 // activation is not zero
 int64_t ffn_sparse(const FFN& f, float* y);
 
+// ffn_sparse in phases, for a caller that runs them on threads of its own (step.cpp decode_team): sparse_begin (one
+// thread: y zeroed, activations, the parts for nt threads), sparse_parts (every thread: claims parts until none is
+// left), sparse_reduce (y's values [o0, o1) of [T * d]: the parts' sums added in part order, any split), sparse_end
+// (the nonzero count). In that order, with every thread done with a phase before the next starts: ffn_sparse's bits.
+struct SparseRun {
+  const FFN* f = nullptr;
+  float* y = nullptr;
+  Acts a;
+  std::vector<Acts> one;
+  std::vector<int64_t> cut;
+  std::vector<int> busy;
+  std::unique_ptr<float[]> partial;  // not zeroed here: each part zeroes its own
+  size_t partial_n = 0;
+  std::vector<int64_t> nonzero;
+  std::atomic<int> next{0};
+};
+void sparse_begin(SparseRun& s, const FFN& f, float* y, int nt);
+void sparse_parts(SparseRun& s);
+void sparse_reduce(SparseRun& s, int64_t o0, int64_t o1);
+int64_t sparse_end(const SparseRun& s);
+
 // --- predictor.cpp ---------------------------------------------------------------------------------------------------
 // PowerInfer's predictor for one token x [d]: the ascending indices i with (fc2 relu(fc1 x))[i] >= threshold, merged
 // with always[0..n_always). fc2 is [n_ff, r] as stored, or (fc2_transposed) [r, n_ff], in which case the second layer
 // is an axpy over the rows of the hidden units that ReLU keeps.
 std::vector<int64_t> predict_active(const float* x, const Mat& fc1, const Mat& fc2, bool fc2_transposed,
                                     float threshold, const int64_t* always, int64_t n_always);
+// predict_active's two halves, for a caller whose threads share them out (step.cpp decode_team): fc1's rows [b, e)
+// into hidden (ReLU applied); then, with all of hidden in place, the neurons of [c0, c1) (multiples of 64, or up to
+// n_ff) whose score reaches the threshold, ascending, into out. The ranges' lists in order: predict_active's.
+void predict_hidden(const float* x, const Mat& fc1, int64_t b, int64_t e, float* hidden);
+void predict_range(const float* hidden, const Mat& fc1, const Mat& fc2, bool fc2_transposed, float threshold,
+                   const int64_t* always, int64_t n_always, int64_t c0, int64_t c1, std::vector<int64_t>& out);
 
 // --- attention.cpp ---------------------------------------------------------------------------------------------------
 // One token's RoPE + KV-cache write + attention (see attention.cpp). Cache element type: float or uint16_t (IEEE half).
@@ -208,11 +237,13 @@ struct TeamHead {
   float* logits;
 };
 // decode_rows (T = 1: decode_layers) and then the output head, on a team of all num_threads() threads in one OpenMP
-// region: each thread takes its share of every matrix's rows, of the rows' attention heads and of the FFN's neurons,
-// and the threads meet at six spin barriers per layer (llama.cpp's way: one pool for the whole graph), where
-// decode_rows forks the pool for each operation and leaves norms, activations and short attention to one thread.
-// Every value comes from the same kernel call as there, so the logits and cache rows are its bits. For layers whose
-// FFN is FFN_MM (team_step_applies); the others take decode_rows / decode_layers.
+// region: each thread takes its share of every matrix's rows, of the rows' attention heads, of a dense FFN's neurons
+// (ffn_down), of the predictor's hidden units and neurons, and of ffn_sparse's parts (sparse_begin ...), and the
+// threads meet at spin barriers, six per layer for a dense FFN, eight for a predicted one (llama.cpp's way: one pool
+// for the whole graph), where decode_rows forks the pool for each operation and leaves norms, activations, short
+// attention and the index list to one thread. Every value comes from the same kernel call as there, so the logits
+// and cache rows are its bits (a batch over predicted FFNs: each row's predictor, the union of their neurons, each row
+// masked to its own, as ffn_rows). team_step_applies: a step with layers.
 bool team_step_applies(const std::vector<LayerStep>& layers);
 void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
                  const float* rope, int64_t T, const int64_t* pos, const int64_t* slot, float* x, int64_t* active,

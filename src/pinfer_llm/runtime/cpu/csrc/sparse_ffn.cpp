@@ -34,6 +34,7 @@
 #include <atomic>
 #include <climits>
 #include <memory>
+#include <vector>
 
 #include "kernels.h"
 
@@ -240,62 +241,84 @@ int64_t run_part(const FFN& f, const Acts& a, const std::vector<Acts>& one, int6
 
 }  // namespace
 
-int64_t ffn_sparse(const FFN& f, float* y) {
+void sparse_begin(SparseRun& s, const FFN& f, float* y, int nt) {
   const int64_t T = f.T, d = f.d, k = f.k, n_ff = f.up.rows;
+  s.f = &f, s.y = y;
   std::fill(y, y + T * d, 0.f);
-  if (T == 0 || k == 0) return 0;
-  Acts a;
-  a.prepare(f.x, T, d, d, is_block(f.up.type) || (f.gate.p && is_block(f.gate.type)));
+  s.busy.clear(), s.nonzero.clear(), s.one.clear();
+  s.next.store(0, std::memory_order_relaxed);
+  if (T == 0 || k == 0) return;
+  s.a.prepare(f.x, T, d, d, is_block(f.up.type) || (f.gate.p && is_block(f.gate.type)));
   bool ascending = true;
   for (int64_t j = 1; f.idx && j < k && ascending; ++j) ascending = f.idx[j] > f.idx[j - 1];
   // the tokens one by one, views into a, for by_rows (a batch of rows masked each to its own neurons)
-  std::vector<Acts> one(T > 1 && f.mask && ascending ? T : 0);
-  for (size_t t = 0; t < one.size(); ++t) {
-    Acts& o = one[t];
-    o.x = a.f[t], o.T = 1, o.n = a.n, o.ldx = a.ldx;
-    o.f = {a.f[t]};
-    if (!a.q.empty()) o.q = {a.q[t]};
+  s.one.resize(T > 1 && f.mask && ascending ? T : 0);
+  for (size_t t = 0; t < s.one.size(); ++t) {
+    Acts& o = s.one[t];
+    o.x = s.a.f[t], o.T = 1, o.n = s.a.n, o.ldx = s.a.ldx;
+    o.f = {s.a.f[t]};
+    o.q.clear();
+    if (!s.a.q.empty()) o.q = {s.a.q[t]};
   }
   // PARTS_PER_THREAD parts per thread, claimed in turn: a part's neurons are those of its id range, so parts differ
   // in work (how many of its neurons idx holds, how many fire); more parts than threads even that out
-  const int nt = num_threads(), P = nt * PARTS_PER_THREAD;
+  const int P = nt * PARTS_PER_THREAD;
   // part c's run of the index list: its neurons' ids in [c n_ff / P, (c + 1) n_ff / P) (see the head of the file)
-  std::vector<int64_t> cut(P + 1);
+  s.cut.assign(P + 1, 0);
   for (int c = 0; c <= P; ++c) {
     const int64_t lo = c * n_ff / P;
     if (!ascending)
-      cut[c] = c * k / P;
+      s.cut[c] = c * k / P;
     else if (!f.idx)
-      cut[c] = std::min(lo, k);
+      s.cut[c] = std::min(lo, k);
     else
-      cut[c] = std::lower_bound(f.idx, f.idx + k, lo) - f.idx;
+      s.cut[c] = std::lower_bound(f.idx, f.idx + k, lo) - f.idx;
   }
-  cut[P] = k;
-  std::vector<int> busy;  // the parts with neurons; part busy[0] sums straight into y
-  for (int c = 0; c < P; ++c)
-    if (cut[c] < cut[c + 1]) busy.push_back(c);
-  const int nb = (int)busy.size();
-  std::unique_ptr<float[]> partial(new float[(size_t)std::max(nb - 1, 0) * T * d]);
-  std::vector<int64_t> nonzero(nb, 0);
-  std::atomic<int> next{0};
-  parallel_for(0, std::min(nt, nb), 1, [&](int64_t, int64_t) {
-    for (int i = next++; i < nb; i = next++) {
-      float* acc = i == 0 ? y : partial.get() + (size_t)(i - 1) * T * d;
-      if (i != 0) std::fill(acc, acc + T * d, 0.f);
-      nonzero[i] = run_part(f, a, one, cut[busy[i]], cut[busy[i] + 1], acc);
-    }
-  });
-  // y += the other parts' sums, in part order, each output value on one thread
-  if (nb > 1)
-    parallel_for(0, T * d, 4096, [&](int64_t b, int64_t e) {
-      for (int i = 1; i < nb; ++i) {
-        const float* p = partial.get() + (size_t)(i - 1) * T * d;
-        for (int64_t o = b; o < e; ++o) y[o] += p[o];
-      }
-    });
+  s.cut[P] = k;
+  for (int c = 0; c < P; ++c)  // the parts with neurons; part busy[0] sums straight into y
+    if (s.cut[c] < s.cut[c + 1]) s.busy.push_back(c);
+  const int nb = (int)s.busy.size();
+  const size_t need = (size_t)std::max(nb - 1, 0) * T * d;
+  if (need > s.partial_n) s.partial.reset(new float[need]), s.partial_n = need;
+  s.nonzero.assign(nb, 0);
+}
+
+void sparse_parts(SparseRun& s) {
+  const FFN& f = *s.f;
+  const int nb = (int)s.busy.size();
+  const int64_t Td = f.T * f.d;
+  for (int i = s.next++; i < nb; i = s.next++) {
+    float* acc = i == 0 ? s.y : s.partial.get() + (size_t)(i - 1) * Td;
+    if (i != 0) std::fill(acc, acc + Td, 0.f);
+    s.nonzero[i] = run_part(f, s.a, s.one, s.cut[s.busy[i]], s.cut[s.busy[i] + 1], acc);
+  }
+}
+
+void sparse_reduce(SparseRun& s, int64_t o0, int64_t o1) {
+  const int nb = (int)s.busy.size();
+  const int64_t Td = s.f->T * s.f->d;
+  for (int i = 1; i < nb; ++i) {
+    const float* p = s.partial.get() + (size_t)(i - 1) * Td;
+    for (int64_t o = o0; o < o1; ++o) s.y[o] += p[o];
+  }
+}
+
+int64_t sparse_end(const SparseRun& s) {
   int64_t total = 0;
-  for (int i = 0; i < nb; ++i) total += nonzero[i];
+  for (int64_t n : s.nonzero) total += n;
   return total;
+}
+
+int64_t ffn_sparse(const FFN& f, float* y) {
+  SparseRun s;
+  const int nt = num_threads();
+  sparse_begin(s, f, y, nt);
+  const int nb = (int)s.busy.size();
+  if (nb == 0) return 0;
+  parallel_for(0, std::min(nt, nb), 1, [&](int64_t, int64_t) { sparse_parts(s); });
+  // y += the other parts' sums, in part order, each output value on one thread
+  if (nb > 1) parallel_for(0, f.T * f.d, 4096, [&](int64_t b, int64_t e) { sparse_reduce(s, b, e); });
+  return sparse_end(s);
 }
 
 }  // namespace pinfer

@@ -219,11 +219,7 @@ int64_t rows_of(const std::vector<Mat>& ws) {
 
 }  // namespace
 
-bool team_step_applies(const std::vector<LayerStep>& layers) {
-  for (const LayerStep& L : layers)
-    if (L.kind != FFN_MM) return false;
-  return !layers.empty();
-}
+bool team_step_applies(const std::vector<LayerStep>& layers) { return !layers.empty(); }
 
 void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
                  const float* rope, int64_t T, const int64_t* pos, const int64_t* slot, float* x, int64_t* active,
@@ -234,6 +230,19 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
   // shared between the threads: each element written by one thread, read by others after a barrier
   sc.qkv.resize(T * nq), sc.heads.resize(2 * T * hd), sc.y.resize(T * d), sc.f.resize(T * n_ff);
   float *qkv = sc.qkv.data(), *q = sc.heads.data(), *heads = q + T * hd, *y = sc.y.data(), *hbuf = sc.f.data();
+  // a neuron-major FFN's shared state: the predictor's hidden units and each thread's neurons, the index list,
+  // ffn_sparse's phases and their output
+  int64_t r_max = 0;
+  for (const LayerStep& L : layers) r_max = std::max(r_max, L.fc1.rows);
+  sc.xa.resize(T * r_max), sc.xf.resize(T * d);
+  float *hidden = sc.xa.data(), *fs = sc.xf.data();
+  std::vector<std::vector<int64_t>> own(num_threads() * T);  // [thread][row]: the neurons of its range
+  std::vector<int64_t> idx;
+  std::unique_ptr<bool[]> mask;
+  int64_t mask_n = 0;
+  int64_t predicted = 0;
+  FFN sf;
+  SparseRun run;
   SpinBarrier bar;
   run_team([&](int p, int P) {
     bar.n.store(P, std::memory_order_relaxed);  // every thread stores the same P before its first wait
@@ -297,6 +306,62 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
       }
       const bool gated = L.gate.p != nullptr;
       const int64_t nf = L.up.rows;
+      if (L.kind != FFN_MM) {  // neuron-major (ffn_down_t): the predictor, then ffn_sparse, each phase shared out
+        if (L.kind == FFN_PRED) {  // each row's predictor: fc1's rows shared out, then the neurons' scores
+          share(L.fc1.rows, p, P, 8, b, e);
+          for (int64_t t = 0; t < T; ++t) predict_hidden(resid + t * d, L.fc1, b, e, hidden + t * r_max);
+          bar.wait();
+          share(nf, p, P, 64, b, e);
+          for (int64_t t = 0; t < T; ++t)
+            predict_range(hidden + t * r_max, L.fc1, L.fc2, L.fc2_transposed, L.threshold, L.always.data(),
+                          (int64_t)L.always.size(), b, e, own[p * T + t]);
+          bar.wait();
+        }
+        if (p == 0) {
+          sf = FFN();
+          sf.x = xin, sf.T = T, sf.d = d, sf.gate = L.gate, sf.up = L.up, sf.down_t = L.down, sf.k = nf, sf.act = L.act,
+          sf.up_bias = L.up_bias, sf.cats = L.cats;
+          if (L.kind == FFN_PRED) {
+            // each row's list (the threads' ranges in order: predict_active's), and for a batch, as ffn_rows: the
+            // union of the rows' neurons, each row masked to its own
+            predicted = 0;
+            idx.clear();
+            for (int64_t t = 0; t < T; ++t)
+              for (int i = 0; i < P; ++i) {
+                idx.insert(idx.end(), own[i * T + t].begin(), own[i * T + t].end());
+                predicted += (int64_t)own[i * T + t].size();
+              }
+            if (T > 1) {
+              std::sort(idx.begin(), idx.end());
+              idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
+              const int64_t k = (int64_t)idx.size();
+              if (T * k > mask_n) mask.reset(new bool[T * k]), mask_n = T * k;
+              std::fill(mask.get(), mask.get() + T * k, false);
+              for (int64_t t = 0; t < T; ++t)
+                for (int i = 0; i < P; ++i)
+                  for (int64_t n : own[i * T + t])
+                    mask[t * k + (std::lower_bound(idx.begin(), idx.end(), n) - idx.begin())] = true;
+              sf.mask = mask.get(), sf.mask_stride = k;
+            }
+            sf.idx = idx.data(), sf.k = (int64_t)idx.size();
+          }
+          sparse_begin(run, sf, fs, P);
+        }
+        bar.wait();
+        sparse_parts(run);
+        bar.wait();
+        share(d, p, P, 8, b, e);
+        for (int64_t t = 0; t < T; ++t) {
+          sparse_reduce(run, t * d + b, t * d + e);
+          for (int64_t i = b; i < e; ++i) {
+            const float fi = fs[t * d + i];
+            x[t * d + i] = y[t * d + i] + (L.ffn_bias ? fi + L.ffn_bias[i] : fi);
+          }
+        }
+        if (p == 0) active[l] += L.kind == FFN_PRED ? predicted : sparse_end(run);
+        bar.wait();
+        continue;
+      }
       acts.prepare(xin, T, d, d, is_block(L.up.type) || (gated && is_block(L.gate.type)));
       share(nf, p, P, 8, b, e);
       const int64_t k = e - b;
