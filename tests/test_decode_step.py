@@ -320,3 +320,17 @@ def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads, mode
             assert st.native.take_active().tolist() == on
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_team_step_yields_to_a_passive_wait_policy(monkeypatch):
+    """The team's barriers spin, so a user who asked OpenMP's threads to sleep (OMP_WAIT_POLICY=passive) gets the
+    forked step, as does PINFER_DECODE_TEAM=0."""
+    monkeypatch.delenv("PINFER_DECODE_TEAM", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cpu_step.team_enabled()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert not cpu_step.team_enabled()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert cpu_step.team_enabled()
+    monkeypatch.setenv("PINFER_DECODE_TEAM", "0")
+    assert not cpu_step.team_enabled()

@@ -16,7 +16,7 @@ neurons it owns: FFN_PRED over a layer's CPU rows is qffn_sparse with the index 
 
 PINFER_DECODE_STEP=0 turns the step off (the forward runs every token), for comparisons. With several threads the
 step runs each token on one team of threads meeting at barriers (csrc/step.cpp decode_team) instead of forking the
-pool per operation (a batch of rows over predicted FFNs excepted); PINFER_DECODE_TEAM=0 turns that off (the same
+pool per operation; PINFER_DECODE_TEAM=0, or OMP_WAIT_POLICY=passive (its barriers spin), turns that off (the same
 bits).
 """
 
@@ -38,6 +38,13 @@ FFN_MM, FFN_ROWS, FFN_PRED = 0, 1, 2  # csrc/kernels.h FfnKind
 
 def enabled() -> bool:
     return os.environ.get("PINFER_DECODE_STEP", "1") != "0"
+
+
+def team_enabled() -> bool:
+    """The team step's barriers spin (then yield) while they wait: not where the user asked OpenMP's threads to sleep
+    (OMP_WAIT_POLICY=passive), nor with PINFER_DECODE_TEAM=0."""
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    return os.environ.get("PINFER_DECODE_TEAM", "1") != "0" and not passive
 
 
 def _mats(lin) -> tuple[list[torch.Tensor], list[int]] | None:
@@ -149,5 +156,5 @@ def build(tr, ns: str = cpu_kernels.NAMESPACE) -> DecodeStep | None:
             sparse.append((li, b.ffn.stats))
     n = tr.output_norm
     native.set_output(n.w, n.b, n.eps, n.layer, *_mats(tr.output))
-    native.set_team(os.environ.get("PINFER_DECODE_TEAM", "1") != "0")
+    native.set_team(team_enabled())
     return DecodeStep(tr, native, signature(tr), sparse)
