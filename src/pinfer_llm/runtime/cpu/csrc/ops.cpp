@@ -446,11 +446,6 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(!layers.empty(), "DecodeStep: add_attention first");
     return layers.back();
   }
-  static int64_t rows_of(const std::vector<Mat>& ms) {
-    int64_t n = 0;
-    for (const Mat& m : ms) n += m.rows;
-    return n;
-  }
 
   void add_attention(const at::Tensor& nw, const std::optional<at::Tensor>& nb, double eps, bool layer_norm_,
                      std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types,

@@ -1,10 +1,11 @@
 // PowerInfer's activation predictor for one token, straight to the indices of the predicted-active neurons:
 // scores = fc2 relu(fc1 x), neuron i active iff scores[i] >= threshold. Both layers are GEMVs over the stored rows
-// (qmatmul's streaming path; F16 as pi-profile writes them, any type works).
+// (the streaming tiles of dot.cpp, as qmatmul reads; F16 as pi-profile writes them, any type works).
 //
 // fc2 can also come transposed, fc2_t [r, n_ff] (a converted copy the runtime may keep): the second layer is then an
 // axpy over the rows of the hidden units that ReLU keeps, about half of them, so it reads about half of fc2's bytes.
 // Each thread takes a run of columns (a multiple of 64 values, so block types stay whole) across all live rows.
+// The two layers are predict_hidden and predict_range, which decode_team (step.cpp) shares out among its own threads.
 #include <algorithm>
 #include <cmath>
 
@@ -14,31 +15,23 @@ namespace pinfer {
 
 std::vector<int64_t> predict_active(const float* x, const Mat& fc1, const Mat& fc2, bool fc2_transposed,
                                     float threshold, const int64_t* always, int64_t n_always) {
-  const int64_t d = fc1.cols, r = fc1.rows, n_ff = fc2_transposed ? fc2.cols : fc2.rows;
-  std::vector<float> hidden(r), scores(n_ff, 0.f);
-  qmatmul(x, 1, d, {fc1}, hidden.data(), INT64_MAX);
-  for (float& h : hidden) h = h > 0.f ? h : 0.f;
-  if (!fc2_transposed) {
-    qmatmul(hidden.data(), 1, r, {fc2}, scores.data(), INT64_MAX);
-  } else {
-    std::vector<const uint8_t*> rows;
-    std::vector<float> h;
-    for (int64_t j = 0; j < r; ++j)
-      if (hidden[j] > 0.f) {
-        rows.push_back(fc2.row(j));
-        h.push_back(hidden[j]);
-      }
-    const int64_t nt = num_threads();
-    const int64_t cols = std::max<int64_t>(((n_ff + nt - 1) / nt + 63) / 64 * 64, 256);
-    parallel_for(0, (n_ff + 63) / 64, cols / 64, [&](int64_t b, int64_t e) {
-      axpy_rows(fc2.type, rows.data(), (int64_t)rows.size(), h.data(), 0, 1, scores.data(), 0, b * 64,
-                std::min(e * 64, n_ff));
-    });
-  }
-  for (int64_t q = 0; q < n_always; ++q) scores[always[q]] = INFINITY;
+  const int64_t r = fc1.rows, n_ff = fc2_transposed ? fc2.cols : fc2.rows;
+  std::vector<float> hidden(r);
+  // fc1's rows in runs of at least 64 KB (below that a fork costs more than the stream), whole 8-row groups
+  const int64_t grain = std::max<int64_t>(8, 65536 / std::max<int64_t>(1, row_bytes(fc1.type, fc1.cols)) / 8 * 8);
+  parallel_for(0, r, grain, [&](int64_t b, int64_t e) { predict_hidden(x, fc1, b, e, hidden.data()); });
+  // the neurons in runs of columns, a multiple of 64 values each (block types stay whole), one run per thread
+  const int64_t nt = num_threads();
+  const int64_t cols = std::max<int64_t>(((n_ff + nt - 1) / nt + 63) / 64 * 64, 256);
+  const int64_t runs = (n_ff + cols - 1) / cols;
+  std::vector<std::vector<int64_t>> part(runs);
+  parallel_for(0, runs, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c)
+      predict_range(hidden.data(), fc1, fc2, fc2_transposed, threshold, always, n_always, c * cols,
+                    std::min((c + 1) * cols, n_ff), part[c]);
+  });
   std::vector<int64_t> out;
-  for (int64_t i = 0; i < n_ff; ++i)
-    if (scores[i] >= threshold) out.push_back(i);
+  for (const auto& p : part) out.insert(out.end(), p.begin(), p.end());
   return out;
 }
 

@@ -54,6 +54,13 @@ struct Mat {
   const uint8_t* row(int64_t i) const { return p + i * stride; }
 };
 
+// rows of matrices stacked (a fused QKV, gate and up, a split output head)
+inline int64_t rows_of(const std::vector<Mat>& ms) {
+  int64_t n = 0;
+  for (const Mat& m : ms) n += m.rows;
+  return n;
+}
+
 // One value of a row, any type: for tails, tests and reference paths.
 inline float welem(int type, const uint8_t* row, int64_t j) {
   switch (type) {

@@ -64,15 +64,34 @@ void add(float* y, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += b[i];
 }
 
+// ffn_sparse's arguments for layer L's neuron-major FFN over every neuron, T rows of normed input x
+FFN sparse_args(const LayerStep& L, int64_t d, int64_t T, const float* x) {
+  FFN q;
+  q.x = x, q.T = T, q.d = d, q.gate = L.gate, q.up = L.up, q.down_t = L.down, q.k = L.up.rows, q.act = L.act,
+  q.up_bias = L.up_bias, q.cats = L.cats;
+  return q;
+}
+
+// A batch's predicted neurons: uni the ascending union of the rows' lists own[t], mask [T, |uni|] each row's own
+void union_mask(const std::vector<std::vector<int64_t>>& own, std::vector<int64_t>& uni,
+                std::unique_ptr<bool[]>& mask) {
+  uni.clear();
+  for (const auto& o : own) uni.insert(uni.end(), o.begin(), o.end());
+  std::sort(uni.begin(), uni.end());
+  uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
+  const int64_t T = (int64_t)own.size(), k = (int64_t)uni.size();
+  mask.reset(new bool[T * k]());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i : own[t]) mask[t * k + (std::lower_bound(uni.begin(), uni.end(), i) - uni.begin())] = true;
+}
+
 // The FFN of one token: xf its normed input, resid the pre-norm residual the predictor reads; f [d] overwritten.
 int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* resid, float* f) {
   if (L.kind == FFN_MM) {
     ffn_mm(xf, 1, d, L.gate, L.up, L.down, L.act, L.up_bias, f);
     return L.up.rows;
   }
-  FFN q;
-  q.x = xf, q.T = 1, q.d = d, q.gate = L.gate, q.up = L.up, q.down_t = L.down, q.k = L.up.rows, q.act = L.act,
-  q.up_bias = L.up_bias, q.cats = L.cats;
+  FFN q = sparse_args(L, d, 1, xf);
   std::vector<int64_t> idx;
   if (L.kind == FFN_PRED) {
     idx = predict_active(resid, L.fc1, L.fc2, L.fc2_transposed, L.threshold, L.always.data(),
@@ -93,29 +112,23 @@ int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* res
 // ffn_one gives it alone, and every selected row of weights is read once for all of them.
 int64_t ffn_rows(const LayerStep& L, int64_t d, int64_t T, const float* xf, const float* resid, float* f) {
   if (T == 1) return ffn_one(L, d, xf, resid, f);
-  FFN q;
-  q.x = xf, q.T = T, q.d = d, q.gate = L.gate, q.up = L.up, q.down_t = L.down, q.k = L.up.rows, q.act = L.act,
-  q.up_bias = L.up_bias, q.cats = L.cats;
+  FFN q = sparse_args(L, d, T, xf);
   if (L.kind != FFN_PRED) return ffn_sparse(q, f);
   std::vector<std::vector<int64_t>> own(T);
-  std::vector<int64_t> uni;
   int64_t count = 0;
   for (int64_t t = 0; t < T; ++t) {
     own[t] = predict_active(resid + t * d, L.fc1, L.fc2, L.fc2_transposed, L.threshold, L.always.data(),
                             (int64_t)L.always.size());
     count += (int64_t)own[t].size();
-    uni.insert(uni.end(), own[t].begin(), own[t].end());
   }
-  std::sort(uni.begin(), uni.end());
-  uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
+  std::vector<int64_t> uni;
+  std::unique_ptr<bool[]> mask;
+  union_mask(own, uni, mask);
   const int64_t k = (int64_t)uni.size();
   if (k == 0) {
     std::fill(f, f + T * d, 0.f);
     return 0;
   }
-  std::unique_ptr<bool[]> mask(new bool[T * k]());
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i : own[t]) mask[t * k + (std::lower_bound(uni.begin(), uni.end(), i) - uni.begin())] = true;
   q.idx = uni.data(), q.k = k, q.mask = mask.get(), q.mask_stride = k;
   ffn_sparse(q, f);
   return count;  // the predictors' counts, as ffn_one's
@@ -211,12 +224,6 @@ void rows_part(const Acts& a, const std::vector<Mat>& ws, int64_t b, int64_t e, 
   }
 }
 
-int64_t rows_of(const std::vector<Mat>& ws) {
-  int64_t n = 0;
-  for (const Mat& m : ws) n += m.rows;
-  return n;
-}
-
 }  // namespace
 
 bool team_step_applies(const std::vector<LayerStep>& layers) { return !layers.empty(); }
@@ -237,9 +244,9 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
   sc.xa.resize(T * r_max), sc.xf.resize(T * d);
   float *hidden = sc.xa.data(), *fs = sc.xf.data();
   std::vector<std::vector<int64_t>> own(num_threads() * T);  // [thread][row]: the neurons of its range
+  std::vector<std::vector<int64_t>> row_own(T);  // each row's list: the threads' ranges in order (predict_active's)
   std::vector<int64_t> idx;
   std::unique_ptr<bool[]> mask;
-  int64_t mask_n = 0;
   int64_t predicted = 0;
   FFN sf;
   SparseRun run;
@@ -297,7 +304,7 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
           yi = x[t * d + i] + (L.bo ? yi + L.bo[i] : yi);
         }
       bar.wait();
-      // the FFN: this thread's neurons' gate and up rows and their activations; then its share of ffn_down's rows
+      // the FFN's normed input (every thread)
       const float* resid = L.parallel ? x : y;
       const float* xin = xa.data();
       if (!(L.parallel && L.ffn_norm_shared)) {
@@ -306,7 +313,7 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
       }
       const bool gated = L.gate.p != nullptr;
       const int64_t nf = L.up.rows;
-      if (L.kind != FFN_MM) {  // neuron-major (ffn_down_t): the predictor, then ffn_sparse, each phase shared out
+      if (L.kind != FFN_MM) {  // ffn_down_t: the predictor, then ffn_sparse, each phase shared out
         if (L.kind == FFN_PRED) {  // each row's predictor: fc1's rows shared out, then the neurons' scores
           share(L.fc1.rows, p, P, 8, b, e);
           for (int64_t t = 0; t < T; ++t) predict_hidden(resid + t * d, L.fc1, b, e, hidden + t * r_max);
@@ -318,30 +325,20 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
           bar.wait();
         }
         if (p == 0) {
-          sf = FFN();
-          sf.x = xin, sf.T = T, sf.d = d, sf.gate = L.gate, sf.up = L.up, sf.down_t = L.down, sf.k = nf, sf.act = L.act,
-          sf.up_bias = L.up_bias, sf.cats = L.cats;
-          if (L.kind == FFN_PRED) {
-            // each row's list (the threads' ranges in order: predict_active's), and for a batch, as ffn_rows: the
-            // union of the rows' neurons, each row masked to its own
+          sf = sparse_args(L, d, T, xin);
+          if (L.kind == FFN_PRED) {  // one row: its list; a batch, as ffn_rows: the union, each row masked to its own
             predicted = 0;
-            idx.clear();
-            for (int64_t t = 0; t < T; ++t)
-              for (int i = 0; i < P; ++i) {
-                idx.insert(idx.end(), own[i * T + t].begin(), own[i * T + t].end());
-                predicted += (int64_t)own[i * T + t].size();
-              }
+            for (int64_t t = 0; t < T; ++t) {
+              row_own[t].clear();
+              for (int i = 0; i < P; ++i)
+                row_own[t].insert(row_own[t].end(), own[i * T + t].begin(), own[i * T + t].end());
+              predicted += (int64_t)row_own[t].size();
+            }
             if (T > 1) {
-              std::sort(idx.begin(), idx.end());
-              idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
-              const int64_t k = (int64_t)idx.size();
-              if (T * k > mask_n) mask.reset(new bool[T * k]), mask_n = T * k;
-              std::fill(mask.get(), mask.get() + T * k, false);
-              for (int64_t t = 0; t < T; ++t)
-                for (int i = 0; i < P; ++i)
-                  for (int64_t n : own[i * T + t])
-                    mask[t * k + (std::lower_bound(idx.begin(), idx.end(), n) - idx.begin())] = true;
-              sf.mask = mask.get(), sf.mask_stride = k;
+              union_mask(row_own, idx, mask);
+              sf.mask = mask.get(), sf.mask_stride = (int64_t)idx.size();
+            } else {
+              idx.swap(row_own[0]);
             }
             sf.idx = idx.data(), sf.k = (int64_t)idx.size();
           }
@@ -351,47 +348,42 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
         sparse_parts(run);
         bar.wait();
         share(d, p, P, 8, b, e);
-        for (int64_t t = 0; t < T; ++t) {
-          sparse_reduce(run, t * d + b, t * d + e);
-          for (int64_t i = b; i < e; ++i) {
-            const float fi = fs[t * d + i];
-            x[t * d + i] = y[t * d + i] + (L.ffn_bias ? fi + L.ffn_bias[i] : fi);
-          }
-        }
+        for (int64_t t = 0; t < T; ++t) sparse_reduce(run, t * d + b, t * d + e);
         if (p == 0) active[l] += L.kind == FFN_PRED ? predicted : sparse_end(run);
+      } else {  // ffn_down: this thread's neurons' gate and up rows and activations, then its rows of ffn_down
+        acts.prepare(xin, T, d, d, is_block(L.up.type) || (gated && is_block(L.gate.type)));
+        share(nf, p, P, 8, b, e);
+        const int64_t k = e - b;
+        gu.resize(2 * T * k);
+        float *g = gu.data(), *u = g + T * k;
+        if (k > 0) {
+          thread_local std::vector<const uint8_t*> rows;
+          rows.resize(k);
+          if (gated) {
+            for (int64_t i = b; i < e; ++i) rows[i - b] = L.gate.row(i);
+            dot_rows(L.gate.type, rows.data(), k, acts, g, k);
+          }
+          for (int64_t i = b; i < e; ++i) rows[i - b] = L.up.row(i);
+          dot_rows(L.up.type, rows.data(), k, acts, u, k);
+        }
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = b; i < e; ++i) {
+            const float gi = gated ? g[t * k + i - b] : 0.f, ui = u[t * k + i - b];
+            hbuf[t * nf + i] = ffn_act(L.act, gi, L.up_bias ? ui + L.up_bias[i] : ui);
+          }
         bar.wait();
-        continue;
+        acts.prepare(hbuf, T, nf, nf, is_block(L.down.type));
+        share(d, p, P, 8, b, e);
+        rows_part(acts, {L.down}, b, e, fo.data(), d);
+        if (p == 0) active[l] += nf * T;
       }
-      acts.prepare(xin, T, d, d, is_block(L.up.type) || (gated && is_block(L.gate.type)));
-      share(nf, p, P, 8, b, e);
-      const int64_t k = e - b;
-      gu.resize(2 * T * k);
-      float *g = gu.data(), *u = g + T * k;
-      if (k > 0) {
-        thread_local std::vector<const uint8_t*> rows;
-        rows.resize(k);
-        if (gated) {
-          for (int64_t i = b; i < e; ++i) rows[i - b] = L.gate.row(i);
-          dot_rows(L.gate.type, rows.data(), k, acts, g, k);
-        }
-        for (int64_t i = b; i < e; ++i) rows[i - b] = L.up.row(i);
-        dot_rows(L.up.type, rows.data(), k, acts, u, k);
-      }
+      // x = y + the FFN (+ its bias), for this thread's rows [b, e) of d
+      const float* f = L.kind == FFN_MM ? fo.data() : fs;
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = b; i < e; ++i) {
-          const float gi = gated ? g[t * k + i - b] : 0.f, ui = u[t * k + i - b];
-          hbuf[t * nf + i] = ffn_act(L.act, gi, L.up_bias ? ui + L.up_bias[i] : ui);
-        }
-      bar.wait();
-      acts.prepare(hbuf, T, nf, nf, is_block(L.down.type));
-      share(d, p, P, 8, b, e);
-      rows_part(acts, {L.down}, b, e, fo.data(), d);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t i = b; i < e; ++i) {
-          const float fi = fo[t * d + i];
+          const float fi = f[t * d + i];
           x[t * d + i] = y[t * d + i] + (L.ffn_bias ? fi + L.ffn_bias[i] : fi);
         }
-      if (p == 0) active[l] += nf * T;
       bar.wait();
     }
     if (!head) return;
