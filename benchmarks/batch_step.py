@@ -1,7 +1,7 @@
 """What a batched decode step costs per row: Model.run_rows over T sequences' decode rows, T = 1, 2, 4, 8.
 
     python benchmarks/batch_step.py [--models smollm2,planted] [--rows 1,2,4,8] [--steps 60] [--rounds 3]
-                                    [--threads 2] [--src DIR] [--json]
+                                    [--threads 2] [--src DIR] [--against DIR] [--json]
 
 pi-serve decodes its slots together (continuous batching, runtime/generation/batch.py): one forward over every
 sequence's last token per step, each in its own KV cache. How far that multiplies throughput is T x (step of 1 row)
@@ -12,14 +12,20 @@ SmolLM2-135M Q4_1 (dense: the rows share every weight read) and the planted ReLU
 benchmarks/sparsity_demo.py with its predictors (--sparse: the FFN runs once over the union of the rows' neurons,
 each row masked to its own, runtime/cpu/csrc/sparse_ffn.cpp; the union grows with T, as the share printed says).
 
---src DIR imports pinfer_llm from DIR (another checkout's src/, e.g. an older commit's), to compare two trees.
+--src DIR imports pinfer_llm from DIR (another checkout's src/, e.g. an older commit's). --against DIR compares two
+trees side by side: the model loaded once per tree, in two worker processes, their steps alternated round by round
+(the order flipping each round), and reported per row count: each tree's median step, this tree's time over the
+other's (median of per-round ratios) and each tree's `T x one / T rows` (median of per-round ratios). Sequential
+runs of one tree and then the other scatter with the machine by more than the changes measured here.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +71,64 @@ def measure(name: str, path: str, kw: dict, args) -> dict:
             "neurons_computed_share": share, "rounds": args.rounds, "steps": args.steps}
 
 
+def worker(args) -> None:
+    """--worker: load one model from --src, then answer "T STEPS" lines on stdin with step_ms on stdout."""
+    import sparsity_demo as sd
+
+    from pinfer_llm.runtime import load_model
+
+    label, path, kw = sd.bench_models(args.models, args.threads)[0]
+    m = load_model(path, threads=args.threads, **kw)
+    if not m.batchable():
+        raise SystemExit(f"{label}: this model's rows cannot be batched (row_invariant off or GPU layers)")
+    step_ms(m, 4, 12)  # warm-up
+    print(json.dumps({"ready": label}), flush=True)
+    for line in sys.stdin:
+        T, steps = map(int, line.split())
+        print(json.dumps(step_ms(m, T, steps)), flush=True)
+
+
+def against(args) -> list[dict]:
+    """Each model in two workers (--src and --against), steps alternated round by round."""
+    rows = [int(t) for t in args.rows.split(",")]
+    out = []
+    for name in args.models.split(","):
+        procs = []
+        try:
+            for src in (args.src, args.against):
+                p = subprocess.Popen([sys.executable, __file__, "--worker", "--src", src, "--models", name,
+                                      "--threads", str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+                procs.append(p)
+                line = p.stdout.readline()
+                if not line:
+                    raise SystemExit(f"the worker for {src} ({name}) did not start")
+                label = json.loads(line)["ready"]
+            ms = {(i, T): [] for i in range(2) for T in rows}
+            for r in range(args.rounds):
+                for T in rows:
+                    for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                        procs[i].stdin.write(f"{T} {args.steps}\n")
+                        procs[i].stdin.flush()
+                        ms[(i, T)].append(float(procs[i].stdout.readline()))
+        finally:
+            for p in procs:
+                p.stdin.close()
+                p.wait(60)
+        med = statistics.median
+        res = {"model": label, "rounds": args.rounds, "steps": args.steps, "rows": {}}
+        for T in rows:
+            a, b = ms[(0, T)], ms[(1, T)]
+            res["rows"][str(T)] = {"step_ms": round(med(a), 3), "against_step_ms": round(med(b), 3),
+                                   "over_against": round(med([x / y for x, y in zip(a, b, strict=True)]), 3)}
+            if 1 in rows:
+                for i, key in ((0, "throughput_over_one"), (1, "against_throughput_over_one")):
+                    res["rows"][str(T)][key] = round(med([T * o / t for o, t in
+                                                          zip(ms[(i, 1)], ms[(i, T)], strict=True)]), 3)
+        out.append(res)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,planted", help="comma list of smollm2, planted")
@@ -73,11 +137,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--src", default=str(ROOT / "src"), help="import pinfer_llm from this src/ directory")
+    ap.add_argument("--against", metavar="DIR", help="another src/ directory, measured side by side (see above)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.against:
+        res = against(args)
+        if args.json:
+            print(json.dumps({"threads": args.threads, "src": args.src, "against": args.against, "results": res},
+                             indent=2))
+            return
+        for r in res:
+            print(f"{r['model']}, {args.threads} threads, {r['rounds']} paired rounds of {r['steps']} steps:")
+            for T, v in r["rows"].items():
+                tp = (f"; T x one / step {v['throughput_over_one']}x against {v['against_throughput_over_one']}x"
+                      if "throughput_over_one" in v else "")
+                print(f"  {T} rows: {v['step_ms']} ms against {v['against_step_ms']} ms = {v['over_against']}x{tp}")
+        return
     sys.path.insert(0, args.src)
     sys.path.insert(1, str(ROOT / "benchmarks"))
+    # pinfer_llm from --src, before sparsity_demo (which otherwise puts this checkout's src/ first on the path)
+    pinfer_llm = importlib.import_module("pinfer_llm")
     import sparsity_demo as sd
+
+    if not Path(pinfer_llm.__file__).resolve().is_relative_to(Path(args.src).resolve()):
+        raise SystemExit(f"--src {args.src}: pinfer_llm was imported from {pinfer_llm.__file__}")
+    if args.worker:
+        worker(args)
+        return
 
     out = [measure(label, path, kw, args) for label, path, kw in sd.bench_models(args.models, args.threads)]
     if args.json:

@@ -19,6 +19,7 @@ predictors (--sparse, made into build/ on first use).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -93,7 +94,12 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.src)
     sys.path.insert(1, str(ROOT / "benchmarks"))
+    # pinfer_llm from --src, before sparsity_demo (which otherwise puts this checkout's src/ first on the path)
+    pinfer_llm = importlib.import_module("pinfer_llm")
     import sparsity_demo as sd
+
+    if not Path(pinfer_llm.__file__).resolve().is_relative_to(Path(args.src).resolve()):
+        raise SystemExit(f"--src {args.src}: pinfer_llm was imported from {pinfer_llm.__file__}")
 
     out = [measure(label, path, kw, args) for label, path, kw in sd.bench_models(args.models, args.threads)]
     if args.json:

@@ -43,7 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
-sys.path[:0] = [str(SRC)]  # the checkout, also without an install
+if "pinfer_llm" not in sys.modules:  # the checkout, also without an install (a caller's --src tree stays)
+    sys.path[:0] = [str(SRC)]
 
 # n_layer, n_embd, n_ff, n_head, n_head_kv. A few wide layers: the FFN is most of a decode step, as in LLMs, and the
 # model is made, profiled and given predictors in ~40 s on 2 cores. synth's byte vocabulary keeps the head small.

@@ -3,6 +3,7 @@ alone, in a batch of 4 different prompts, after a cached prefix of every length 
 prompt was cut into chunks; and one forward over several sequences' rows gives every row the logits it gets alone,
 to the bit, through the C++ step and through the Python forward."""
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -240,13 +241,17 @@ def test_prefill_of_a_sparse_model_is_the_bits_of_its_decode_steps(wide_relu, qt
 
 @pytest.mark.parametrize("use_step", [True, False])
 @pytest.mark.parametrize("qtype", ["f32", "q4_0"])
-@pytest.mark.parametrize("mode", ["oracle", "sparse"])
+@pytest.mark.parametrize("mode", ["oracle", "sparse", "sparse-fc2-stored"])
 def test_batched_rows_of_a_sparse_model_are_the_bits_of_each_alone(wide_relu, qtype, mode, use_step):
-    """Two threads, rows of three sequences in one forward (the C++ step's decode_rows, or the Python forward): the
-    FFN over the union of the rows' neurons gives each row its bits alone."""
+    """Two threads, rows of three sequences in one forward (the C++ step's decode_team, or the Python forward): the
+    FFN over the union of the rows' neurons gives each row its bits alone, and so do the rows' predictors, run
+    together (fc2 transposed, as the runtime decodes, or as stored: one pass over fc2's rows for every row)."""
     threads = torch.get_num_threads()
     try:
-        m = load_model(wide_relu[qtype], threads=2, ffn_act="relu", ffn_mode=mode)
+        m = load_model(wide_relu[qtype], threads=2, ffn_act="relu", ffn_mode=mode.removesuffix("-fc2-stored"))
+        if mode.endswith("-fc2-stored"):  # before the first forward builds the step
+            for b in m.transformer.blocks:
+                b.ffn.masker.pred = dataclasses.replace(b.ffn.masker.pred, fc2_t=None, fc2_t_source=None)
         m.transformer.use_step = use_step
         caches, toks, pos, rows = mixed_rows(m)
         together = m.run_rows(toks, pos, rows, list(range(5)))

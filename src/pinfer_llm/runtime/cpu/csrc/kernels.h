@@ -132,12 +132,16 @@ int64_t sparse_end(const SparseRun& s);
 // is an axpy over the rows of the hidden units that ReLU keeps.
 std::vector<int64_t> predict_active(const float* x, const Mat& fc1, const Mat& fc2, bool fc2_transposed,
                                     float threshold, const int64_t* always, int64_t n_always);
-// predict_active's two halves, for a caller whose threads share them out (step.cpp decode_team): fc1's rows [b, e)
-// into hidden (ReLU applied); then, with all of hidden in place, the neurons of [c0, c1) (multiples of 64, or up to
-// n_ff) whose score reaches the threshold, ascending, into out. The ranges' lists in order: predict_active's.
-void predict_hidden(const float* x, const Mat& fc1, int64_t b, int64_t e, float* hidden);
-void predict_range(const float* hidden, const Mat& fc1, const Mat& fc2, bool fc2_transposed, float threshold,
-                   const int64_t* always, int64_t n_always, int64_t c0, int64_t c1, std::vector<int64_t>& out);
+// predict_active's two halves for T tokens, for a caller whose threads share them out (step.cpp decode_team): fc1's
+// rows [b, e) into hidden (token t's at hidden + t * hs, ReLU applied); then, with all of hidden in place, the neurons
+// of [c0, c1) (multiples of 64, or up to n_ff) whose score reaches the threshold, ascending, into out[t]. The ranges'
+// lists in order: predict_active's. Each token's lists are the ones it gets alone (its dot products are the same bits
+// in any tile; fc2_t's axpy runs token by token).
+void predict_hidden(const float* x, int64_t T, int64_t xs, const Mat& fc1, int64_t b, int64_t e, float* hidden,
+                    int64_t hs);
+void predict_range(const float* hidden, int64_t T, int64_t hs, const Mat& fc1, const Mat& fc2, bool fc2_transposed,
+                   float threshold, const int64_t* always, int64_t n_always, int64_t c0, int64_t c1,
+                   std::vector<int64_t>* out);
 
 // --- attention.cpp ---------------------------------------------------------------------------------------------------
 // One token's RoPE + KV-cache write + attention (see attention.cpp). Cache element type: float or uint16_t (IEEE half).
