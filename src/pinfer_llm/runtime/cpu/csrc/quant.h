@@ -247,6 +247,34 @@ inline __m256i qdot(__m256i init, __m256i w, __m256i x) {
 }
 
 
+// Block b of R rows (each PF_EVERY-th block prefetches the rows ahead and the caller's next rows): the unpacked
+// weights w[r] and their scales dw[r]
+template <int TY, int R>
+inline void qtile_rows(const uint8_t* const* rows, int64_t b, const uint8_t* const* nxt, __m256i* w, __m256* dw) {
+  constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;  // one prefetch per cache line of each row
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* blk = rows[r] + b * BB;
+    if (b % PF_EVERY == 0) {
+      prefetch(blk + PF_AHEAD);
+      if (nxt) prefetch_l2(nxt[r] + b * BB);
+    }
+    w[r] = qunpack<TY>(blk);
+    dw[r] = _mm256_broadcast_ss(&f16_table[rd_u16(blk)]);
+  }
+}
+
+// acc[r][c] += block b of row r . block b of token c, both scales applied
+template <int TY, int R, int C>
+inline void qtile_products(const Q8* xs, int64_t b, const __m256i* w, const __m256* dw, __m256 (&acc)[R][C]) {
+  for (int c = 0; c < C; ++c) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xs[c].qs + b * QK));
+    const __m256 dx = _mm256_broadcast_ss(xs[c].d + b);
+    const __m256i init = qbias<TY>(xs[c].bsum[b]);
+    for (int r = 0; r < R; ++r)
+      acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qdot<TY>(init, w[r], xv)), _mm256_mul_ps(dw[r], dx), acc[r][c]);
+  }
+}
+
 // Q4_1 (weights q * d + m, tokens' s = d_x * sum(q_x)): the offset term sum_b m_b * s_b in groups of 8 blocks. As the
 // blocks stream by, each row's mins are blended into the lanes of a register (lane j: the group's j-th block), and
 // one multiply-add per (row, token) and group takes them against the token's 8 s values (contiguous), lane by lane,
@@ -260,7 +288,7 @@ constexpr int MGROUP = 8;
 template <int R, int C>
 inline void qtile_q41(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride,
                       const uint8_t* const* nxt) {
-  constexpr int64_t BB = unit_bytes(Q4_1), PF_EVERY = 64 / BB;  // one prefetch per cache line of each row
+  constexpr int64_t BB = unit_bytes(Q4_1);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -273,24 +301,10 @@ inline void qtile_q41(const uint8_t* const* rows, const Q8* xs, int64_t nb, floa
       const __m256 lane = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_set1_epi32((int)(b - b0)), iota));
       __m256i w[R];
       __m256 dw[R];
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* blk = rows[r] + b * BB;
-        if (b % PF_EVERY == 0) {
-          prefetch(blk + PF_AHEAD);
-          if (nxt) prefetch_l2(nxt[r] + b * BB);
-        }
-        w[r] = qunpack<Q4_1>(blk);
-        dw[r] = _mm256_broadcast_ss(&f16_table[rd_u16(blk)]);
-        mv[r] = _mm256_blendv_ps(mv[r], _mm256_broadcast_ss(&f16_table[rd_u16(blk + 2)]), lane);
-      }
-      for (int c = 0; c < C; ++c) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xs[c].qs + b * QK));
-        const __m256 dx = _mm256_broadcast_ss(xs[c].d + b);
-        const __m256i init = qbias<Q4_1>(xs[c].bsum[b]);
-        for (int r = 0; r < R; ++r)
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qdot<Q4_1>(init, w[r], xv)), _mm256_mul_ps(dw[r], dx),
-                                      acc[r][c]);
-      }
+      qtile_rows<Q4_1, R>(rows, b, nxt, w, dw);
+      for (int r = 0; r < R; ++r)
+        mv[r] = _mm256_blendv_ps(mv[r], _mm256_broadcast_ss(&f16_table[rd_u16(rows[r] + b * BB + 2)]), lane);
+      qtile_products<Q4_1, R, C>(xs, b, w, dw, acc);
     }
     // the tokens' s values of the group (a short last group: masked, zeros past its end, nothing read there)
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(be - b0)), iota);
@@ -310,30 +324,14 @@ inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* o
     qtile_q41<R, C>(rows, xs, nb, out, ostride, nxt);
     return;
   }
-  constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;  // one prefetch per cache line of each row
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[R];
     __m256 dw[R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = rows[r] + b * BB;
-      if (b % PF_EVERY == 0) {
-        prefetch(blk + PF_AHEAD);
-        if (nxt) prefetch_l2(nxt[r] + b * BB);
-      }
-      w[r] = qunpack<TY>(blk);
-      dw[r] = _mm256_broadcast_ss(&f16_table[rd_u16(blk)]);
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xs[c].qs + b * QK));
-      const __m256 dx = _mm256_broadcast_ss(xs[c].d + b);
-      const __m256i init = qbias<TY>(xs[c].bsum[b]);
-      for (int r = 0; r < R; ++r)
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qdot<TY>(init, w[r], xv)), _mm256_mul_ps(dw[r], dx),
-                                    acc[r][c]);
-    }
+    qtile_rows<TY, R>(rows, b, nxt, w, dw);
+    qtile_products<TY, R, C>(xs, b, w, dw, acc);
   }
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) out[c * ostride + r] = hsum8(acc[r][c]);

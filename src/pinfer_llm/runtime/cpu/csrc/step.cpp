@@ -73,40 +73,31 @@ FFN sparse_args(const LayerStep& L, int64_t d, int64_t T, const float* x) {
 }
 
 // A batch's predicted neurons: uni the ascending union of the rows' lists own[t], mask [T, |uni|] each row's own.
-// Up to 64 rows: a bit per row and neuron id, then one pass over the ids, compacting without a branch. A merge of the
-// lists, or a sort and a binary search per entry, mispredicted a branch per neuron: 60 us of a planted 1024 x 4096
-// layer's 4-row step (one thread working while the others wait).
+// A bit per row and neuron id (W words per id), then one pass over the ids, compacting without a branch. A sort and
+// a binary search per entry mispredicted a branch per neuron: 60 us of a planted 1024 x 4096 layer's 4-row step (one
+// thread working while the others wait).
 void union_mask(const std::vector<std::vector<int64_t>>& own, std::vector<int64_t>& uni,
                 std::unique_ptr<bool[]>& mask) {
-  const int64_t T = (int64_t)own.size();
+  const int64_t T = (int64_t)own.size(), W = (T + 63) / 64;
   int64_t n = 0;  // 1 + the largest id
   for (const auto& o : own)
     for (int64_t i : o) n = std::max(n, i + 1);
-  if (T <= 64) {
-    thread_local std::vector<uint64_t> bits;
-    bits.assign(n, 0);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i : own[t]) bits[i] |= uint64_t(1) << t;
-    uni.resize(n);
-    int64_t k = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      uni[k] = i;
-      k += bits[i] != 0;
-    }
-    uni.resize(k);
-    mask.reset(new bool[T * k]);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < k; ++j) mask[t * k + j] = (bits[uni[j]] >> t) & 1;
-    return;
-  }
-  uni.clear();
-  for (const auto& o : own) uni.insert(uni.end(), o.begin(), o.end());
-  std::sort(uni.begin(), uni.end());
-  uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
-  const int64_t k = (int64_t)uni.size();
-  mask.reset(new bool[T * k]());
+  thread_local std::vector<uint64_t> bits;  // [n, W]
+  bits.assign(n * W, 0);
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t i : own[t]) mask[t * k + (std::lower_bound(uni.begin(), uni.end(), i) - uni.begin())] = true;
+    for (int64_t i : own[t]) bits[i * W + t / 64] |= uint64_t(1) << (t % 64);
+  uni.resize(n);
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t any = 0;
+    for (int64_t w = 0; w < W; ++w) any |= bits[i * W + w];
+    uni[k] = i;
+    k += any != 0;
+  }
+  uni.resize(k);
+  mask.reset(new bool[T * k]);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) mask[t * k + j] = (bits[uni[j] * W + t / 64] >> (t % 64)) & 1;
 }
 
 // The FFN of one token: xf its normed input, resid the pre-norm residual the predictor reads; f [d] overwritten.
