@@ -2,10 +2,11 @@
 // drivers that cut any number of rows and tokens into the register tiles of quant.h. Used by qmatmul's streaming path,
 // the sparse FFN, the predictor and qembed/qdequant.
 //
-// Tile shapes (rows x tokens), from the register files: one token: 8 rows side by side on AVX-512 (8 accumulators +
-// 8 unpacked blocks + 8 scales of 32 ymm/zmm registers), 4 on AVX2 (16 registers). Several tokens: 4 x 4 on
-// AVX-512, 2 x 4 (blocks) / 4 x 2 (floats) on AVX2. A tile's rows are read from memory on its first token tile and from
-// L1 for the following ones (4 rows of a 4096-wide Q4_0 matrix are 9 KB), so a weight byte crosses DRAM once per call.
+// Tile shapes (rows x tokens): block types on AVX2 and AVX-512, 8 rows (one per lane) x up to 4 tokens (quant.h's
+// lane tiles); float types, from the register files: one token 8 rows side by side (8 accumulators + 8 weight
+// vectors), several 4 x 4 on AVX-512 and 4 x 2 on AVX2; the portable build 4 x 1 and 2 x 4. A tile's rows are read
+// from memory on its first token tile and from L1 for the following ones (8 rows of a 4096-wide Q4_0 matrix are
+// 18 KB), so a weight byte crosses DRAM once per call.
 // Several rows in flight also make several DRAM streams per core: the sparse FFN's rows are scattered, and one row at
 // a time per thread reads them at half the bandwidth (measured on the fp32 kernel: 4 streams 18 GB/s, 8 streams
 // 23 GB/s, 16 no better than 8; Q4_0 GEMV, one core: 4 rows 7.5 GB/s, 8 rows 8.9, 12 rows 9.6 with spills, and once
@@ -30,21 +31,17 @@ const float* const f16_table = table.v;
 
 namespace {
 
-#if defined(PINFER_AVX512)
-constexpr int Q_R1 = 8, Q_R = 4, Q_C = 4;  // block types: rows for one token; rows x tokens for several
-// Q4_1 for one token: 6 rows. Its tile holds a min vector per row besides the scale, and at 8 rows the compiler
-// spills accumulators to the stack (perf annotate of SmolLM2's decode). Measured (Xeon, one core, 3072 x 576 rows in
-// L3, two runs): 1.05 ns per row-block at 6 rows, 1.17-1.25 at 8, 1.13 at 4; Q4_0 and Q8_0 equal at 6 and 8. Each
-// row's sums run in the same order for any row count, so the result is the same bits.
-constexpr int Q41_R1 = 6;
-constexpr int F_R1 = 8, F_R = 4, F_C = 4;  // float types
-#elif defined(PINFER_AVX2)
-constexpr int Q_R1 = 4, Q_R = 2, Q_C = 4;
-constexpr int Q41_R1 = Q_R1;
-constexpr int F_R1 = 8, F_R = 4, F_C = 2;
+#if defined(PINFER_AVX2)
+// block types: the lane tiles (quant.h), 8 rows x up to 4 tokens, for one token as for several
+constexpr int Q_R1 = QLANES, Q_R = QLANES, Q_C = 4;
 #else
 constexpr int Q_R1 = 4, Q_R = 2, Q_C = 4;
-constexpr int Q41_R1 = Q_R1;
+#endif
+#if defined(PINFER_AVX512)
+constexpr int F_R1 = 8, F_R = 4, F_C = 4;  // float types
+#elif defined(PINFER_AVX2)
+constexpr int F_R1 = 8, F_R = 4, F_C = 2;
+#else
 constexpr int F_R1 = 4, F_R = 2, F_C = 4;
 #endif
 
@@ -105,7 +102,7 @@ void dot_rows_t(const uint8_t* const* rows, int64_t n, const Acts& a, float* out
                 const uint8_t* const* next, int64_t n_next) {
   if constexpr (is_block(TY)) {
     if (a.T == 1)
-      rows_by<TY, TY == Q4_1 ? Q41_R1 : Q_R1, 1>(rows, n, a, out, os, next, n_next);
+      rows_by<TY, Q_R1, 1>(rows, n, a, out, os, next, n_next);
     else
       rows_by<TY, Q_R, Q_C>(rows, n, a, out, os, next, n_next);
   } else {

@@ -193,148 +193,164 @@ struct Q8Acts {
   }
 };
 
-// --- integer dot-product tiles: R weight rows x C tokens of q8 activations -------------------------------------------
-// out[c * ostride + r] = row r . token c over nb blocks. A tile keeps R x C accumulators in registers and reads each
-// weight block once for its C tokens and each activation block once for its R rows.
+// --- integer dot-product tiles: rows x C tokens of q8 activations ---------------------------------------------------
+// out[c * ostride + r] = row r . token c over nb blocks. A tile reads each weight block once for its C tokens and each
+// activation block once for its rows.
 
 #if defined(PINFER_AVX2)
-// One weight block as 32 bytes for vpdpbusd / vpmaddubsw, in x's element order (low nibbles, then high nibbles).
-// Q4: the nibbles 0..15, unsigned. Q8_0: with VNNI, w + 128 as unsigned (w ^ 0x80: vpdpbusd multiplies u8 by s8, and
-// the bias -128 * sum(x) restores w); without VNNI the raw int8 (vpmaddubsw on w + 128 could saturate its i16 pairs:
-// 2 * 255 * 127 > 32767, so that path uses the sign trick instead).
-template <int TY>
-inline __m256i qunpack(const uint8_t* blk) {
-  if (TY == Q8_0) {
-    const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
-#if defined(PINFER_VNNI)
-    return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-#else
-    return w;
-#endif
-  }
-  // the 16 bytes in both lanes (one broadcast load), the upper lane shifted by 4: 2 instructions
-  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + (TY == Q4_1 ? 4 : 2))));
-  return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+// One row per lane: 8 rows x C tokens (C <= 4). A block's dot product as one row's 32 products in 8 i32 lanes of a
+// (row, token) register (what the tiles here did before, and llama.cpp's) leaves every (row, token) pair a conversion,
+// a scale multiply and a multiply-add per block: 4 of a 4 x 4 tile's ~6 instructions per pair and block, so 4 tokens
+// cost ~2x one (instruction-bound). Here the 8 rows' bytes are transposed by dwords, so that lane j of register k
+// holds row j's weights for values 4k..4k+3, and each register is multiplied by the token's matching 4 int8 values,
+// broadcast. After a block's 8 products lane j holds row j's whole i32 block sum, and one conversion and one
+// multiply-add (the 8 rows' scales, collected once per block, times the token's scale) finish 8 pairs at once.
+// The transpose is cheap: rows r and r + 4 share a register (one in each 128-bit lane), and one 4 x 4 dword transpose
+// within lanes (8 shuffles) serves 8 rows; for Q4 the nibble masks that follow are the unpacking any tile does.
+// Per (row, token) and block that is 1 + 3/8 instructions (VNNI) instead of 4; per row and block ~3 (Q4) or ~4.5
+// (Q8_0) for the unpacking, the transpose and the scales, shared by the tokens. Measured (Xeon, AVX-512 + VNNI, 2
+// threads, SmolLM2's shapes in L3, benchmarks/qtiles.py): Q4_1 gate+up 3072 x 576 at 4 tokens 65 us against 110, at
+// 1 token 42 against 56; SmolLM2's whole decode step (batch_step.py --against) 4 rows 0.82x the time, 1 row 0.95x.
+// Each row's sum runs in its own lane, block by block in order, whatever the tile's token count and the row's lane:
+// the same bits for a row alone, in a batch, or in any position.
+constexpr int QLANES = 8;
+
+// The 4 x 4 dword transpose within 128-bit lanes: t[k] dword i of each lane = q[i] dword k of that lane.
+inline void transpose4_lanes(const __m256i* q, __m256i* t) {
+  const __m256i a0 = _mm256_unpacklo_epi32(q[0], q[1]), a1 = _mm256_unpackhi_epi32(q[0], q[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(q[2], q[3]), a3 = _mm256_unpackhi_epi32(q[2], q[3]);
+  t[0] = _mm256_unpacklo_epi64(a0, a2), t[1] = _mm256_unpackhi_epi64(a0, a2);
+  t[2] = _mm256_unpacklo_epi64(a1, a3), t[3] = _mm256_unpackhi_epi64(a1, a3);
 }
 
-// The integer offset folded into a block's i32 sums, lane 0 of the accumulator's start value: Q4_0 stores q + 8
-// (-8 sum(x)); Q8_0 under VNNI multiplies w + 128 (-128 sum(x)). Zero (constant-folded away) otherwise.
+// 16 bytes at offset off of rows i (low lane) and i + 4 (high lane), i = 0..3
+inline void load_row_pairs(const uint8_t* const* blk, int64_t off, __m256i* q) {
+  for (int i = 0; i < 4; ++i)
+    q[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk[i] + off))),
+                                   _mm_loadu_si128((const __m128i*)(blk[i + 4] + off)), 1);
+}
+
+// w[k], k = 0..7: lane j = row j's weights for values 4k..4k+3. Q4: the nibbles 0..15, unsigned. Q8_0: with VNNI,
+// w + 128 as unsigned (w ^ 0x80: vpdpbusd multiplies u8 by s8, and the sum's start value -128 sum(x) restores w);
+// without VNNI the raw int8 (qdot_lanes takes the sign trick).
 template <int TY>
-inline __m256i qbias(int32_t bsum) {
-  if (TY == Q4_0) return _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(-8 * bsum));
+inline void lane_weights(const uint8_t* const* blk, __m256i* w) {
+  __m256i q[4], t[4];
+  if constexpr (TY == Q8_0) {
+    for (int h = 0; h < 2; ++h) {  // values 0..15, then 16..31
+      load_row_pairs(blk, 2 + 16 * h, q);
+      transpose4_lanes(q, t);
+      for (int k = 0; k < 4; ++k) {
 #if defined(PINFER_VNNI)
-  if (TY == Q8_0) return _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(-128 * bsum));
+        w[4 * h + k] = _mm256_xor_si256(t[k], _mm256_set1_epi8((char)0x80));
+#else
+        w[4 * h + k] = t[k];
+#endif
+      }
+    }
+  } else {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    load_row_pairs(blk, TY == Q4_1 ? 4 : 2, q);
+    transpose4_lanes(q, t);
+    for (int k = 0; k < 4; ++k) {  // the low nibbles of bytes 4k..4k+3 are values 4k.., their high nibbles 16 + 4k..
+      w[k] = _mm256_and_si256(t[k], lo4);
+      w[4 + k] = _mm256_and_si256(_mm256_srli_epi16(t[k], 4), lo4);
+    }
+  }
+}
+
+// A block's i32 sum starts at the integer offset of its encoding, in every lane: Q4_0 stores q + 8 (-8 sum(x)); Q8_0
+// under VNNI multiplies w + 128 (-128 sum(x)). Exact. Zero otherwise.
+template <int TY>
+inline __m256i qbias_lanes(int32_t bsum) {
+  if (TY == Q4_0) return _mm256_set1_epi32(-8 * bsum);
+#if defined(PINFER_VNNI)
+  if (TY == Q8_0) return _mm256_set1_epi32(-128 * bsum);
 #endif
   (void)bsum;
   return _mm256_setzero_si256();
 }
 
-// init + the block's 32 products as 8 i32 partial sums.
+// acc + per lane the 4 products of w's bytes with x's (x: one token's 4 values, broadcast)
 template <int TY>
-inline __m256i qdot(__m256i init, __m256i w, __m256i x) {
+inline __m256i qdot_lanes(__m256i acc, __m256i w, __m256i x) {
 #if defined(PINFER_VNNI)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(init, w, x);
+  return _mm256_dpbusd_epi32(acc, w, x);
 #else
-  return _mm256_dpbusd_avx_epi32(init, w, x);
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
 #endif
 #else
+  // vpmaddubsw takes its first operand unsigned: Q4's nibbles are (<= 15: pairs cannot saturate); Q8_0's signed w
+  // goes in as |w| with x * sign(w) (|w| <= 128, |x| <= 127: a pair <= 32512). abs(w) is the same for every token and
+  // is computed once per block (the compiler hoists it out of the unrolled token loop).
   const __m256i ones = _mm256_set1_epi16(1);
-  if (TY == Q8_0)  // |w| * (x * sign(w)): vpmaddubsw needs its first operand unsigned
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
-  return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));  // nibbles <= 15: no saturation
+  if (TY == Q8_0)
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                                   ones));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
 #endif
 }
 
+inline int32_t rd_i32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
-// Block b of R rows (each PF_EVERY-th block prefetches the rows ahead and the caller's next rows): the unpacked
-// weights w[r] and their scales dw[r]
-template <int TY, int R>
-inline void qtile_rows(const uint8_t* const* rows, int64_t b, const uint8_t* const* nxt, __m256i* w, __m256* dw) {
-  constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;  // one prefetch per cache line of each row
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* blk = rows[r] + b * BB;
-    if (b % PF_EVERY == 0) {
-      prefetch(blk + PF_AHEAD);
-      if (nxt) prefetch_l2(nxt[r] + b * BB);
-    }
-    w[r] = qunpack<TY>(blk);
-    dw[r] = _mm256_broadcast_ss(&f16_table[rd_u16(blk)]);
-  }
+// The 8 rows' scales d and (Q4_1) mins m as 8 floats each, from each block's leading dword (Q4_1: d | m << 16; the
+// other types: d and two bytes not used here). Exact, as f16_table.
+template <int TY>
+inline void lane_scales(const uint8_t* const* blk, __m256& dw, __m256& mw) {
+  // within each 128-bit lane: the dwords' low halves (d) to the low 8 bytes, their high halves (m) to the high 8
+  const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  __m128i s0 = _mm_cvtsi32_si128(rd_i32(blk[0])), s1 = _mm_cvtsi32_si128(rd_i32(blk[4]));
+  s0 = _mm_insert_epi32(s0, rd_i32(blk[1]), 1), s1 = _mm_insert_epi32(s1, rd_i32(blk[5]), 1);
+  s0 = _mm_insert_epi32(s0, rd_i32(blk[2]), 2), s1 = _mm_insert_epi32(s1, rd_i32(blk[6]), 2);
+  s0 = _mm_insert_epi32(s0, rd_i32(blk[3]), 3), s1 = _mm_insert_epi32(s1, rd_i32(blk[7]), 3);
+  const __m256i dm = _mm256_permute4x64_epi64(
+      _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(s0), s1, 1), halves), 0xD8);
+  dw = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+  if constexpr (TY == Q4_1) mw = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
 }
 
-// acc[r][c] += block b of row r . block b of token c, both scales applied
-template <int TY, int R, int C>
-inline void qtile_products(const Q8* xs, int64_t b, const __m256i* w, const __m256* dw, __m256 (&acc)[R][C]) {
-  for (int c = 0; c < C; ++c) {
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xs[c].qs + b * QK));
-    const __m256 dx = _mm256_broadcast_ss(xs[c].d + b);
-    const __m256i init = qbias<TY>(xs[c].bsum[b]);
-    for (int r = 0; r < R; ++r)
-      acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qdot<TY>(init, w[r], xv)), _mm256_mul_ps(dw[r], dx), acc[r][c]);
-  }
-}
-
-// Q4_1 (weights q * d + m, tokens' s = d_x * sum(q_x)): the offset term sum_b m_b * s_b in groups of 8 blocks. As the
-// blocks stream by, each row's mins are blended into the lanes of a register (lane j: the group's j-th block), and
-// one multiply-add per (row, token) and group takes them against the token's 8 s values (contiguous), lane by lane,
-// into the same accumulator. Per block and row that is a broadcast and a blend instead of a multiply-add per token on
-// a vector whose one useful lane held the min. Measured (Zen 4): one core, rows in cache, 4 x 4 tiles 0.85x the
-// time, 6 x 1 0.95-0.99x; SmolLM2's decode step, 2 threads, 13 paired rounds: 4 rows 0.951x, 1 row 0.997x. (A buffer
-// in memory for the mins, stored per block and loaded per group, failed store-to-load forwarding; its loads then
-// waited for the stores to retire behind the weight rows' cache misses, and from DRAM the tile ran at half speed.)
-constexpr int MGROUP = 8;
-
-template <int R, int C>
-inline void qtile_q41(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride,
-                      const uint8_t* const* nxt) {
-  constexpr int64_t BB = unit_bytes(Q4_1);
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t b0 = 0; b0 < nb; b0 += MGROUP) {
-    const int64_t be = std::min<int64_t>(nb, b0 + MGROUP);
-    __m256 mv[R];
-    for (int r = 0; r < R; ++r) mv[r] = _mm256_setzero_ps();
-    for (int64_t b = b0; b < be; ++b) {
-      const __m256 lane = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_set1_epi32((int)(b - b0)), iota));
-      __m256i w[R];
-      __m256 dw[R];
-      qtile_rows<Q4_1, R>(rows, b, nxt, w, dw);
-      for (int r = 0; r < R; ++r)
-        mv[r] = _mm256_blendv_ps(mv[r], _mm256_broadcast_ss(&f16_table[rd_u16(rows[r] + b * BB + 2)]), lane);
-      qtile_products<Q4_1, R, C>(xs, b, w, dw, acc);
-    }
-    // the tokens' s values of the group (a short last group: masked, zeros past its end, nothing read there)
-    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(be - b0)), iota);
-    for (int c = 0; c < C; ++c) {
-      const __m256 sx = _mm256_maskload_ps(xs[c].s + b0, live);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(mv[r], sx, acc[r][c]);
-    }
-  }
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) out[c * ostride + r] = hsum8(acc[r][c]);
-}
-
+// QLANES rows (each PF_EVERY-th block prefetches the rows ahead and the caller's next rows) x C tokens. Q4_1's offset
+// term sum_b m_b s_b (weights q * d + m, the tokens' s = d_x sum(q_x)) runs in a second accumulator per token, added
+// last.
 template <int TY, int R, int C>
 inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride,
                   const uint8_t* const* nxt = nullptr) {
-  if constexpr (TY == Q4_1) {
-    qtile_q41<R, C>(rows, xs, nb, out, ostride, nxt);
-    return;
-  }
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  static_assert(R == QLANES && C >= 1 && C <= 4, "one row per i32 lane, up to 4 tokens");
+  constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
+  // one token's 8 products per block in two dependent chains (vpdpbusd's latency is 5 cycles); 3 or more tokens are
+  // chains enough
+  constexpr int NCH = C <= 2 ? 2 : 1;
+  __m256 facc[C], macc[C];
+  for (int c = 0; c < C; ++c) facc[c] = macc[c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i w[R];
-    __m256 dw[R];
-    qtile_rows<TY, R>(rows, b, nxt, w, dw);
-    qtile_products<TY, R, C>(xs, b, w, dw, acc);
+    const uint8_t* blk[QLANES];
+    for (int r = 0; r < QLANES; ++r) {
+      blk[r] = rows[r] + b * BB;
+      if (b % PF_EVERY == 0) {
+        prefetch(blk[r] + PF_AHEAD);
+        if (nxt) prefetch_l2(nxt[r] + b * BB);
+      }
+    }
+    __m256i w[8];
+    lane_weights<TY>(blk, w);
+    __m256 dw, mw = _mm256_setzero_ps();
+    lane_scales<TY>(blk, dw, mw);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
+      __m256i ch[NCH];
+      ch[0] = qbias_lanes<TY>(xs[c].bsum[b]);
+      if constexpr (NCH == 2) ch[1] = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) ch[k % NCH] = qdot_lanes<TY>(ch[k % NCH], w[k], _mm256_set1_epi32(rd_i32(xq + 4 * k)));
+      __m256i s = ch[0];
+      if constexpr (NCH == 2) s = _mm256_add_epi32(s, ch[1]);
+      facc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_broadcast_ss(xs[c].d + b)), facc[c]);
+      if constexpr (TY == Q4_1) macc[c] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs[c].s + b), macc[c]);
+    }
   }
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) out[c * ostride + r] = hsum8(acc[r][c]);
+    _mm256_storeu_ps(out + c * ostride, TY == Q4_1 ? _mm256_add_ps(facc[c], macc[c]) : facc[c]);
 }
 #else
 template <int TY, int R, int C>
