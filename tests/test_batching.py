@@ -17,6 +17,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from pinfer_llm.formats import constants as C
 from pinfer_llm.formats.encoder import RawTensor
+from pinfer_llm.formats.errors import PinferError
 from pinfer_llm.formats.model_writer import write_llama
 from pinfer_llm.runtime import load_model
 from pinfer_llm.runtime.generation.batch import Batch, Sequence
@@ -163,6 +164,42 @@ def test_cancelled_sequence_leaves_and_others_go_on(model, refs):
     assert seqs[1].stats.stop_reason == "cancelled" and len(seqs[1].tokens) < N
     assert [seqs[i].tokens for i in (0, 2, 3)] == [refs[i] for i in (0, 2, 3)]
 
+
+
+def test_a_sequence_whose_logits_are_not_finite_fails_alone(model, refs, monkeypatch):
+    """NaN in one sequence's logits (from its third token on) ends it with the corrupt-weights error; the others
+    answer as alone. And pi-run's loop (Model.generate) refuses the same logits."""
+    b = Batch(model, 4)
+    seqs = [seq(p) for p in PROMPTS]
+    for s in seqs:
+        assert b.admit(s)
+    real_rows, real_forward = model.run_rows, model.transformer.forward
+
+    def poisoned_rows(ids, pos, caches, out_rows):
+        logits = real_rows(ids, pos, caches, out_rows).clone()
+        for li, i in enumerate(out_rows):
+            if caches[i] is seqs[1].slot.cache and pos[i] >= len(PROMPTS[1]) + 1:
+                logits[li, 5] = float("nan")
+        return logits
+
+    monkeypatch.setattr(model, "run_rows", poisoned_rows)
+    while b.active:
+        b.step()
+    assert seqs[1].stats.stop_reason == "error" and "not finite" in str(seqs[1].error)
+    assert len(seqs[1].tokens) == 2
+    assert [seqs[i].tokens for i in (0, 2, 3)] == [refs[i] for i in (0, 2, 3)]
+
+    def poisoned_forward(*a, **kw):
+        logits = real_forward(*a, **kw).clone()
+        logits[:, 7] = float("inf")
+        return logits
+
+    monkeypatch.setattr(model.transformer, "forward", poisoned_forward)
+    got = []
+    with pytest.raises(PinferError, match="not finite"):
+        for tok in model.generate(PROMPTS[0], max_tokens=N, temperature=0.0, stop_ids=set()):
+            got.append(tok)
+    assert got == []  # the prompt's own logits are refused: nothing was sampled from them
 
 def mixed_rows(m):
     """Four caches, each filled with a prompt; then one forward of 2 decode rows and a 3-row prompt chunk."""

@@ -30,7 +30,7 @@ from pinfer_llm.runtime.hybrid.executor import Split
 from pinfer_llm.runtime.hybrid.placement import Placement, check_placement
 from pinfer_llm.runtime.loader import load_transformer
 from pinfer_llm.runtime.model import KVCache, Transformer
-from pinfer_llm.runtime.sampling import SamplingParams, make_sampler
+from pinfer_llm.runtime.sampling import SamplingParams, finite, make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention scratch memory for long prompts
 # A prompt that reuses the cache still prefills at least this many tokens when it has that many. qmatmul picks its
@@ -260,7 +260,7 @@ class Model:
         t0 = time.perf_counter()
         st.stop_reason = "length"
         for _ in range(max_tokens):
-            if not torch.isfinite(logits).all():  # NaN would otherwise fail deep inside torch.multinomial
+            if not finite(logits):
                 raise PinferError(f"{self.file.path}: the model's weights are corrupt: the logits at position {pos} "
                                   f"are not finite (NaN or inf)")
             tok = sample(logits, history)

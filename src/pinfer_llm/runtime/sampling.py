@@ -10,9 +10,20 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pinfer_llm.formats.errors import PinferError
+
+
+# Logits are checked and greedy tokens picked in numpy, on the calling thread alone. Over a vocabulary (SmolLM2:
+# 49,152 values) torch's elementwise ops and reductions are OpenMP regions on the intra-op threads, and between decode
+# steps the second thread may be off its core (pi-serve's event loop and its clients share the cores): in pi-serve
+# with 4 streaming clients on 2 threads (Xeon), torch.isfinite(row).all() cost 0.45 ms a row against numpy's 0.05,
+# and the decode loop's aggregate went from ~300 to ~380 tok/s with the check alone moved.
+def finite(logits: torch.Tensor) -> bool:
+    """Whether every value of a row of logits is finite (NaN would otherwise fail deep inside the sampler)."""
+    return bool(np.isfinite(logits.numpy()).all())
 
 
 @dataclass
@@ -58,7 +69,7 @@ def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, Sequence[int]], i
     def sample(logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         logits = penalize(logits.float(), history)
         if p.temperature <= 0:
-            return int(torch.argmax(logits))
+            return int(np.argmax(logits.numpy()))  # the first of equal maxima, as torch.argmax
         if 0 < p.top_k < logits.numel():
             logits, ids = torch.topk(logits, p.top_k)
         else:

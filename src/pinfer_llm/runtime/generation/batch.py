@@ -26,10 +26,8 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import torch
-
 from pinfer_llm.formats.errors import PinferError
-from pinfer_llm.runtime.sampling import SamplingParams, make_sampler
+from pinfer_llm.runtime.sampling import SamplingParams, finite, make_sampler
 
 
 @dataclass
@@ -174,7 +172,7 @@ class Batch:
                 self.finish(seq, "length")
                 continue
             row = logits[li]
-            if not torch.isfinite(row).all():  # this sequence fails; the others go on
+            if not finite(row):  # this sequence fails; the others go on
                 seq.error = PinferError(f"{self.m.file.path}: the model's weights are corrupt: the logits at "
                                         f"position {seq.pos} are not finite (NaN or inf)")
                 self.finish(seq, "error")
