@@ -32,7 +32,7 @@ const float* const f16_table = table.v;
 namespace {
 
 #if defined(PINFER_AVX2)
-// block types: the lane tiles (quant.h), 8 rows x up to 4 tokens, for one token as for several
+// block types: the lane tiles (quant.h), 16 rows (AVX-512 + VNNI) or 8 x up to 4 tokens, for one token as for several
 constexpr int Q_R1 = QLANES, Q_R = QLANES, Q_C = 4;
 #else
 constexpr int Q_R1 = 4, Q_R = 2, Q_C = 4;
@@ -86,6 +86,14 @@ void rows_by(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, i
     row_group<TY, R, CMAX>(rows + i, a, out + i, os, nx);
   }
   if (i == n) return;
+#if defined(PINFER_AVX2)
+  if constexpr (is_block(TY) && R > QLANES_MIN) {  // 8 or fewer left: the narrow lane tile (the same bits per row)
+    if (n - i <= QLANES_MIN) {
+      rows_by<TY, QLANES_MIN, CMAX>(rows + i, n - i, a, out + i, os, next, n_next);
+      return;
+    }
+  }
+#endif
   // the last rows: padded with copies of the last one (read from cache), their results dropped
   const uint8_t* pad[R];
   for (int r = 0; r < R; ++r) pad[r] = rows[std::min<int64_t>(i + r, n - 1)];

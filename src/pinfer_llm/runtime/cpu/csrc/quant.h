@@ -213,144 +213,235 @@ struct Q8Acts {
 // 1 token 42 against 56; SmolLM2's whole decode step (batch_step.py --against) 4 rows 0.82x the time, 1 row 0.95x.
 // Each row's sum runs in its own lane, block by block in order, whatever the tile's token count and the row's lane:
 // the same bits for a row alone, in a batch, or in any position.
-constexpr int QLANES = 8;
+inline int32_t rd_i32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
-// The 4 x 4 dword transpose within 128-bit lanes: t[k] dword i of each lane = q[i] dword k of that lane.
-inline void transpose4_lanes(const __m256i* q, __m256i* t) {
-  const __m256i a0 = _mm256_unpacklo_epi32(q[0], q[1]), a1 = _mm256_unpackhi_epi32(q[0], q[1]);
-  const __m256i a2 = _mm256_unpacklo_epi32(q[2], q[3]), a3 = _mm256_unpackhi_epi32(q[2], q[3]);
-  t[0] = _mm256_unpacklo_epi64(a0, a2), t[1] = _mm256_unpackhi_epi64(a0, a2);
-  t[2] = _mm256_unpacklo_epi64(a1, a3), t[3] = _mm256_unpackhi_epi64(a1, a3);
-}
-
-// 16 bytes at offset off of rows i (low lane) and i + 4 (high lane), i = 0..3
-inline void load_row_pairs(const uint8_t* const* blk, int64_t off, __m256i* q) {
-  for (int i = 0; i < 4; ++i)
-    q[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk[i] + off))),
+// The lane tiles are written once against two register widths: L8 (ymm, 8 rows; every AVX2 build) and L16 (zmm,
+// 16 rows, rows r, r + 4, r + 8, r + 12 in the four 128-bit lanes of one register; AVX-512 builds with VNNI). A row's
+// lane computes the same operations in the same order in both, so the two give the same bits and mix freely (a call's
+// last rows take the 8-row tile when 8 or fewer remain: the sparse FFN's groups of 8 neurons).
+struct L8 {
+  static constexpr int N = 8;
+  typedef __m256i vi;
+  typedef __m256 vf;
+  static vi load_rows(const uint8_t* const* blk, int i, int64_t off) {  // rows i (low lane) and i + 4 (high lane)
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk[i] + off))),
                                    _mm_loadu_si128((const __m128i*)(blk[i + 4] + off)), 1);
-}
+  }
+  static vi unpacklo32(vi a, vi b) { return _mm256_unpacklo_epi32(a, b); }
+  static vi unpackhi32(vi a, vi b) { return _mm256_unpackhi_epi32(a, b); }
+  static vi unpacklo64(vi a, vi b) { return _mm256_unpacklo_epi64(a, b); }
+  static vi unpackhi64(vi a, vi b) { return _mm256_unpackhi_epi64(a, b); }
+  static vi and_(vi a, vi b) { return _mm256_and_si256(a, b); }
+  static vi xor_(vi a, vi b) { return _mm256_xor_si256(a, b); }
+  static vi srli16(vi a, int k) { return _mm256_srli_epi16(a, k); }
+  static vi set1_8(char v) { return _mm256_set1_epi8(v); }
+  static vi set1_32(int32_t v) { return _mm256_set1_epi32(v); }
+  static vi zero_i() { return _mm256_setzero_si256(); }
+  static vi add32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+  static vf zero_f() { return _mm256_setzero_ps(); }
+  static vf bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
+  static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+  static vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+  static vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+  // acc + per lane the 4 products of w's bytes (unsigned) with x's (one token's 4 int8 values, broadcast)
+  template <int TY>
+  static vi dot(vi acc, vi w, vi x) {
+#if defined(PINFER_VNNI)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#endif
+#else
+    // vpmaddubsw takes its first operand unsigned: Q4's nibbles are (<= 15: pairs cannot saturate); Q8_0's signed w
+    // goes in as |w| with x * sign(w) (|w| <= 128, |x| <= 127: a pair <= 32512). abs(w) is the same for every token
+    // (the compiler computes it once per block, out of the unrolled token loop).
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (TY == Q8_0)
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                                     ones));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+#endif
+  }
+  // the rows' leading dwords (d | m << 16 for Q4_1), rows in lane order: 4 per 128-bit lane
+  static vi lead(const uint8_t* const* blk) {
+    __m128i s[2];
+    for (int h = 0; h < 2; ++h) {
+      s[h] = _mm_cvtsi32_si128(rd_i32(blk[4 * h]));
+      for (int i = 1; i < 4; ++i) s[h] = _mm_insert_epi32(s[h], rd_i32(blk[4 * h + i]), i);
+    }
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(s[0]), s[1], 1);
+  }
+  // lead's low halves (d) and high halves (m) as N floats each, rows in order
+  static void halves(vi v, vf& d, vf& m, bool want_m) {
+    const __m256i sel = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, sel), 0xD8);
+    d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    if (want_m) m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+  }
+};
 
-// w[k], k = 0..7: lane j = row j's weights for values 4k..4k+3. Q4: the nibbles 0..15, unsigned. Q8_0: with VNNI,
-// w + 128 as unsigned (w ^ 0x80: vpdpbusd multiplies u8 by s8, and the sum's start value -128 sum(x) restores w);
-// without VNNI the raw int8 (qdot_lanes takes the sign trick).
-template <int TY>
-inline void lane_weights(const uint8_t* const* blk, __m256i* w) {
-  __m256i q[4], t[4];
+#if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
+struct L16 {
+  static constexpr int N = 16;
+  typedef __m512i vi;
+  typedef __m512 vf;
+  static vi load_rows(const uint8_t* const* blk, int i, int64_t off) {  // rows i, i + 4, i + 8, i + 12
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(blk[i] + off)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(blk[i + 4] + off)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(blk[i + 8] + off)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(blk[i + 12] + off)), 3);
+  }
+  static vi unpacklo32(vi a, vi b) { return _mm512_unpacklo_epi32(a, b); }
+  static vi unpackhi32(vi a, vi b) { return _mm512_unpackhi_epi32(a, b); }
+  static vi unpacklo64(vi a, vi b) { return _mm512_unpacklo_epi64(a, b); }
+  static vi unpackhi64(vi a, vi b) { return _mm512_unpackhi_epi64(a, b); }
+  static vi and_(vi a, vi b) { return _mm512_and_si512(a, b); }
+  static vi xor_(vi a, vi b) { return _mm512_xor_si512(a, b); }
+  static vi srli16(vi a, int k) { return _mm512_srli_epi16(a, k); }
+  static vi set1_8(char v) { return _mm512_set1_epi8(v); }
+  static vi set1_32(int32_t v) { return _mm512_set1_epi32(v); }
+  static vi zero_i() { return _mm512_setzero_si512(); }
+  static vi add32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+  static vf zero_f() { return _mm512_setzero_ps(); }
+  static vf bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static vf cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+  static vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+  static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+  template <int TY>
+  static vi dot(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static vi lead(const uint8_t* const* blk) {
+    __m512i v = _mm512_setzero_si512();
+    for (int h = 0; h < 4; ++h) {
+      __m128i s = _mm_cvtsi32_si128(rd_i32(blk[4 * h]));
+      for (int i = 1; i < 4; ++i) s = _mm_insert_epi32(s, rd_i32(blk[4 * h + i]), i);
+      v = _mm512_inserti32x4(v, s, h);
+    }
+    return v;
+  }
+  static void halves(vi v, vf& d, vf& m, bool want_m) {
+    const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m512i dm = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_shuffle_epi8(v, sel));
+    d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    if (want_m) m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+  }
+};
+constexpr int QLANES = 16;
+#else
+constexpr int QLANES = 8;
+#endif
+constexpr int QLANES_MIN = 8;  // the narrow tile, for a call's last rows
+
+// The N rows' blk pointers as registers: w[k], k = 0..7, lane j = row j's weights for values 4k..4k+3, vpdpbusd's
+// unsigned operand. Within 128-bit lanes the 4 rows' 16 bytes are transposed by dwords (4 x 4: 8 shuffles). Q4: the
+// nibbles 0..15 (the low nibbles of bytes 4k..4k+3 are values 4k.., their high nibbles 16 + 4k..). Q8_0: with VNNI,
+// w + 128 (w ^ 0x80; the sum's start value -128 sum(x) restores w); without VNNI the raw int8 (V::dot's sign trick).
+template <class V, int TY>
+inline void lane_weights(const uint8_t* const* blk, typename V::vi* w) {
+  typedef typename V::vi vi;
+  auto transposed = [&](int64_t off, vi* t) {
+    vi q[4];
+    for (int i = 0; i < 4; ++i) q[i] = V::load_rows(blk, i, off);
+    const vi a0 = V::unpacklo32(q[0], q[1]), a1 = V::unpackhi32(q[0], q[1]);
+    const vi a2 = V::unpacklo32(q[2], q[3]), a3 = V::unpackhi32(q[2], q[3]);
+    t[0] = V::unpacklo64(a0, a2), t[1] = V::unpackhi64(a0, a2);
+    t[2] = V::unpacklo64(a1, a3), t[3] = V::unpackhi64(a1, a3);
+  };
+  vi t[4];
   if constexpr (TY == Q8_0) {
     for (int h = 0; h < 2; ++h) {  // values 0..15, then 16..31
-      load_row_pairs(blk, 2 + 16 * h, q);
-      transpose4_lanes(q, t);
+      transposed(2 + 16 * h, t);
       for (int k = 0; k < 4; ++k) {
 #if defined(PINFER_VNNI)
-        w[4 * h + k] = _mm256_xor_si256(t[k], _mm256_set1_epi8((char)0x80));
+        w[4 * h + k] = V::xor_(t[k], V::set1_8((char)0x80));
 #else
         w[4 * h + k] = t[k];
 #endif
       }
     }
   } else {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    load_row_pairs(blk, TY == Q4_1 ? 4 : 2, q);
-    transpose4_lanes(q, t);
-    for (int k = 0; k < 4; ++k) {  // the low nibbles of bytes 4k..4k+3 are values 4k.., their high nibbles 16 + 4k..
-      w[k] = _mm256_and_si256(t[k], lo4);
-      w[4 + k] = _mm256_and_si256(_mm256_srli_epi16(t[k], 4), lo4);
+    transposed(TY == Q4_1 ? 4 : 2, t);
+    for (int k = 0; k < 4; ++k) {
+      w[k] = V::and_(t[k], V::set1_8(0x0F));
+      w[4 + k] = V::and_(V::srli16(t[k], 4), V::set1_8(0x0F));
     }
   }
 }
 
 // A block's i32 sum starts at the integer offset of its encoding, in every lane: Q4_0 stores q + 8 (-8 sum(x)); Q8_0
 // under VNNI multiplies w + 128 (-128 sum(x)). Exact. Zero otherwise.
-template <int TY>
-inline __m256i qbias_lanes(int32_t bsum) {
-  if (TY == Q4_0) return _mm256_set1_epi32(-8 * bsum);
+template <class V, int TY>
+inline typename V::vi lane_bias(int32_t bsum) {
+  if (TY == Q4_0) return V::set1_32(-8 * bsum);
 #if defined(PINFER_VNNI)
-  if (TY == Q8_0) return _mm256_set1_epi32(-128 * bsum);
+  if (TY == Q8_0) return V::set1_32(-128 * bsum);
 #endif
   (void)bsum;
-  return _mm256_setzero_si256();
+  return V::zero_i();
 }
 
-// acc + per lane the 4 products of w's bytes with x's (x: one token's 4 values, broadcast)
-template <int TY>
-inline __m256i qdot_lanes(__m256i acc, __m256i w, __m256i x) {
-#if defined(PINFER_VNNI)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, w, x);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
-#endif
-#else
-  // vpmaddubsw takes its first operand unsigned: Q4's nibbles are (<= 15: pairs cannot saturate); Q8_0's signed w
-  // goes in as |w| with x * sign(w) (|w| <= 128, |x| <= 127: a pair <= 32512). abs(w) is the same for every token and
-  // is computed once per block (the compiler hoists it out of the unrolled token loop).
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (TY == Q8_0)
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
-                                                   ones));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
-#endif
-}
-
-inline int32_t rd_i32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
-
-// The 8 rows' scales d and (Q4_1) mins m as 8 floats each, from each block's leading dword (Q4_1: d | m << 16; the
-// other types: d and two bytes not used here). Exact, as f16_table.
-template <int TY>
-inline void lane_scales(const uint8_t* const* blk, __m256& dw, __m256& mw) {
-  // within each 128-bit lane: the dwords' low halves (d) to the low 8 bytes, their high halves (m) to the high 8
-  const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-  __m128i s0 = _mm_cvtsi32_si128(rd_i32(blk[0])), s1 = _mm_cvtsi32_si128(rd_i32(blk[4]));
-  s0 = _mm_insert_epi32(s0, rd_i32(blk[1]), 1), s1 = _mm_insert_epi32(s1, rd_i32(blk[5]), 1);
-  s0 = _mm_insert_epi32(s0, rd_i32(blk[2]), 2), s1 = _mm_insert_epi32(s1, rd_i32(blk[6]), 2);
-  s0 = _mm_insert_epi32(s0, rd_i32(blk[3]), 3), s1 = _mm_insert_epi32(s1, rd_i32(blk[7]), 3);
-  const __m256i dm = _mm256_permute4x64_epi64(
-      _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(s0), s1, 1), halves), 0xD8);
-  dw = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
-  if constexpr (TY == Q4_1) mw = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
-}
-
-// QLANES rows (each PF_EVERY-th block prefetches the rows ahead and the caller's next rows) x C tokens. Q4_1's offset
+// V::N rows (each PF_EVERY-th block prefetches the rows ahead and the caller's next rows) x C tokens. Q4_1's offset
 // term sum_b m_b s_b (weights q * d + m, the tokens' s = d_x sum(q_x)) runs in a second accumulator per token, added
 // last.
-template <int TY, int R, int C>
-inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride,
-                  const uint8_t* const* nxt = nullptr) {
-  static_assert(R == QLANES && C >= 1 && C <= 4, "one row per i32 lane, up to 4 tokens");
+template <class V, int TY, int C>
+inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride,
+                        const uint8_t* const* nxt) {
+  static_assert(C >= 1 && C <= 4, "up to 4 tokens");
+  typedef typename V::vi vi;
+  typedef typename V::vf vf;
+  constexpr int N = V::N;
   constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
   // one token's 8 products per block in two dependent chains (vpdpbusd's latency is 5 cycles); 3 or more tokens are
-  // chains enough
+  // chains enough. Integer sums: the split changes no bit.
   constexpr int NCH = C <= 2 ? 2 : 1;
-  __m256 facc[C], macc[C];
-  for (int c = 0; c < C; ++c) facc[c] = macc[c] = _mm256_setzero_ps();
+  vf facc[C], macc[C];
+  for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk[QLANES];
-    for (int r = 0; r < QLANES; ++r) {
+    const uint8_t* blk[N];
+    for (int r = 0; r < N; ++r) {
       blk[r] = rows[r] + b * BB;
       if (b % PF_EVERY == 0) {
         prefetch(blk[r] + PF_AHEAD);
         if (nxt) prefetch_l2(nxt[r] + b * BB);
       }
     }
-    __m256i w[8];
-    lane_weights<TY>(blk, w);
-    __m256 dw, mw = _mm256_setzero_ps();
-    lane_scales<TY>(blk, dw, mw);
+    vi w[8];
+    lane_weights<V, TY>(blk, w);
+    vf dw, mw = V::zero_f();
+    V::halves(V::lead(blk), dw, mw, TY == Q4_1);  // the rows' scales d (and Q4_1's mins m), exact as f16_table
     for (int c = 0; c < C; ++c) {
       const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
-      __m256i ch[NCH];
-      ch[0] = qbias_lanes<TY>(xs[c].bsum[b]);
-      if constexpr (NCH == 2) ch[1] = _mm256_setzero_si256();
-      for (int k = 0; k < 8; ++k) ch[k % NCH] = qdot_lanes<TY>(ch[k % NCH], w[k], _mm256_set1_epi32(rd_i32(xq + 4 * k)));
-      __m256i s = ch[0];
-      if constexpr (NCH == 2) s = _mm256_add_epi32(s, ch[1]);
-      facc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_broadcast_ss(xs[c].d + b)), facc[c]);
-      if constexpr (TY == Q4_1) macc[c] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs[c].s + b), macc[c]);
+      vi ch[NCH];
+      ch[0] = lane_bias<V, TY>(xs[c].bsum[b]);
+      if constexpr (NCH == 2) ch[1] = V::zero_i();
+      for (int k = 0; k < 8; ++k) ch[k % NCH] = V::template dot<TY>(ch[k % NCH], w[k], V::set1_32(rd_i32(xq + 4 * k)));
+      vi s = ch[0];
+      if constexpr (NCH == 2) s = V::add32(s, ch[1]);
+      facc[c] = V::fma(V::cvt(s), V::mul(dw, V::bcast(xs[c].d + b)), facc[c]);
+      if constexpr (TY == Q4_1) macc[c] = V::fma(mw, V::bcast(xs[c].s + b), macc[c]);
     }
   }
-  for (int c = 0; c < C; ++c)
-    _mm256_storeu_ps(out + c * ostride, TY == Q4_1 ? _mm256_add_ps(facc[c], macc[c]) : facc[c]);
+  for (int c = 0; c < C; ++c) V::store(out + c * ostride, TY == Q4_1 ? V::add(facc[c], macc[c]) : facc[c]);
+}
+
+template <int TY, int R, int C>
+inline void qtile(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride,
+                  const uint8_t* const* nxt = nullptr) {
+#if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
+  static_assert(R == 16 || R == 8, "one row per i32 lane of a zmm or ymm register");
+  if constexpr (R == 16) {
+    qtile_lanes<L16, TY, C>(rows, xs, nb, out, ostride, nxt);
+    return;
+  }
+#else
+  static_assert(R == 8, "one row per i32 lane of a ymm register");
+#endif
+  qtile_lanes<L8, TY, C>(rows, xs, nb, out, ostride, nxt);
 }
 #else
 template <int TY, int R, int C>
