@@ -467,3 +467,24 @@ def test_defaults_stated():
     from pinfer_llm.cli import serve
 
     assert (serve.TIMEOUT_S, serve.MAX_CONNECTIONS) == (TIMEOUT_S, MAX_CONNECTIONS) == (30.0, 512)
+
+
+@pytest.mark.parametrize("raw,lone", [
+    (b'{"prompt": "a\\ud800b"}', True),  # an escaped lone surrogate
+    (b'{"prompt": "a\\uDFFF"}', True),
+    (b'{"prompt": "a\xed\xa0\x80b"}', True),  # UTF-8-encoded surrogate bytes (json.loads passes them through)
+    ('{"prompt": "a\ud800b"}'.encode("utf-16", "surrogatepass"), True),  # a UTF-16 body
+    (b'{"prompt": "\\ud83d\\ude00 \\u00e9 \xed\x9f\xbf"}', False),  # a pair, an escape and U+D7FF: all text
+    (json.dumps({"prompt": "hello " * 1000}).encode(), False),
+])
+def test_lone_surrogates_are_found_in_any_encoding(raw, lone):
+    """decode_json's shortcut (a body without a surrogate's bytes skips the re-encoding check) never lets a lone
+    surrogate through, whichever way the body spells it."""
+    from pinfer_llm.runtime.serving.openai_api import ApiError, decode_json
+
+    if lone:
+        with pytest.raises(ApiError) as e:
+            decode_json(raw)
+        assert e.value.status == 400 and e.value.code == "invalid_text"
+    else:
+        assert isinstance(decode_json(raw), dict)

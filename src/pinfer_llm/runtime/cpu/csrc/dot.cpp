@@ -2,11 +2,11 @@
 // drivers that cut any number of rows and tokens into the register tiles of quant.h. Used by qmatmul's streaming path,
 // the sparse FFN, the predictor and qembed/qdequant.
 //
-// Tile shapes (rows x tokens): block types on AVX2 and AVX-512, 8 rows (one per lane) x up to 4 tokens (quant.h's
-// lane tiles); float types, from the register files: one token 8 rows side by side (8 accumulators + 8 weight
-// vectors), several 4 x 4 on AVX-512 and 4 x 2 on AVX2; the portable build 4 x 1 and 2 x 4. A tile's rows are read
-// from memory on its first token tile and from L1 for the following ones (8 rows of a 4096-wide Q4_0 matrix are
-// 18 KB), so a weight byte crosses DRAM once per call.
+// Tile shapes (rows x tokens): block types, one row per i32 lane x up to 4 tokens (quant.h's lane tiles): 16 rows on
+// AVX-512 with VNNI, 8 on AVX2; float types, from the register files: one token 8 rows side by side (8 accumulators +
+// 8 weight vectors), several 4 x 4 on AVX-512 and 4 x 2 on AVX2; the portable build 4 x 1 and 2 x 4. A tile's rows
+// are read from memory on its first token tile and from cache for the following ones (16 rows of a 4096-wide Q4_0
+// matrix are 36 KB: L1 or L2), so a weight byte crosses DRAM once per call.
 // Several rows in flight also make several DRAM streams per core: the sparse FFN's rows are scattered, and one row at
 // a time per thread reads them at half the bandwidth (measured on the fp32 kernel: 4 streams 18 GB/s, 8 streams
 // 23 GB/s, 16 no better than 8; Q4_0 GEMV, one core: 4 rows 7.5 GB/s, 8 rows 8.9, 12 rows 9.6 with spills, and once

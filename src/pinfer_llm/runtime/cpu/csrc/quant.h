@@ -198,21 +198,23 @@ struct Q8Acts {
 // activation block once for its rows.
 
 #if defined(PINFER_AVX2)
-// One row per lane: 8 (or 16, below) rows x C tokens (C <= 4). A block's dot product as one row's 32 products in 8 i32 lanes of a
-// (row, token) register (what the tiles here did before, and llama.cpp's) leaves every (row, token) pair a conversion,
-// a scale multiply and a multiply-add per block: 4 of a 4 x 4 tile's ~6 instructions per pair and block, so 4 tokens
-// cost ~2x one (instruction-bound). Here the 8 rows' bytes are transposed by dwords, so that lane j of register k
-// holds row j's weights for values 4k..4k+3, and each register is multiplied by the token's matching 4 int8 values,
-// broadcast. After a block's 8 products lane j holds row j's whole i32 block sum, and one conversion and one
-// multiply-add (the 8 rows' scales, collected once per block, times the token's scale) finish 8 pairs at once.
-// The transpose is cheap: rows r and r + 4 share a register (one in each 128-bit lane), and one 4 x 4 dword transpose
-// within lanes (8 shuffles) serves 8 rows; for Q4 the nibble masks that follow are the unpacking any tile does.
-// Per (row, token) and block that is 1 + 3/8 instructions (VNNI) instead of 4; per row and block ~3 (Q4) or ~4.5
-// (Q8_0) for the unpacking, the transpose and the scales, shared by the tokens. Measured (Xeon, AVX-512 + VNNI, 2
-// threads, SmolLM2's shapes in L3, benchmarks/qtiles.py): Q4_1 gate+up 3072 x 576 at 4 tokens 65 us against 110, at
-// 1 token 42 against 56; SmolLM2's whole decode step (batch_step.py --against) 4 rows 0.82x the time, 1 row 0.95x.
+// One row per lane: 8 (or 16, below) rows x C tokens (C <= 4). A block's dot product as one row's 32 products in 8 i32
+// lanes of a (row, token) register (what the tiles here did before, and llama.cpp's) leaves every (row, token) pair a
+// conversion, a scale multiply and a multiply-add per block: 4 of a 4 x 4 tile's ~6 instructions per pair and block, so
+// 4 tokens cost ~2x one (instruction-bound). Here the 8 rows' bytes are transposed by dwords, so that lane j of
+// register k holds row j's weights for values 4k..4k+3, and each register is multiplied by the token's matching 4 int8
+// values, broadcast. After a block's 8 products lane j holds row j's whole i32 block sum, and one conversion and one
+// multiply-add (the 8 rows' scales, collected once per block, times the token's scale) finish 8 pairs at once. The
+// transpose is cheap: rows r and r + 4 share a register (one in each 128-bit lane), and one 4 x 4 dword transpose
+// within lanes (8 shuffles) serves 8 rows; for Q4 the nibble masks that follow are the unpacking any tile does. Per
+// (row, token) and block that is 1 + 3/8 instructions (VNNI) instead of 4; per row and block ~3 (Q4) or ~4.5 (Q8_0) for
+// the unpacking, the transpose and the scales, shared by the tokens. Measured (Xeon, AVX-512 + VNNI, 2 threads,
+// SmolLM2's shapes in L3, benchmarks/qtiles.py): Q4_1 gate+up 3072 x 576 at 4 tokens 65 us against 110, at 1 token 42
+// against 56; SmolLM2's whole decode step (batch_step.py --against) 4 rows 0.82x the time, 1 row 0.95x.
 // Each row's sum runs in its own lane, block by block in order, whatever the tile's token count and the row's lane:
 // the same bits for a row alone, in a batch, or in any position.
+// Not faster everywhere: one token's Q4_0 GEMV at 2048-wide rows from memory took 1.04-1.14x the row tiles' time on
+// that Xeon (benchmarks/gemv_ab.py; 5632-wide rows equal), for a reason not found yet (not the prefetch distance).
 inline int32_t rd_i32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
 // The lane tiles are written once against two register widths: L8 (ymm, 8 rows; every AVX2 build) and L16 (zmm,
