@@ -21,6 +21,8 @@ import sys
 TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}  # type id, bytes per 32 values
 SHAPES = [("gate+up", 11264, 2048), ("qkv", 2560, 2048), ("down", 2048, 5632)]
 
+# The worker makes its own weights rather than importing step_ops.weight: step_ops puts this checkout's src/ first on
+# sys.path when imported, and the worker must import pinfer_llm from the tree it measures.
 WORKER = r'''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])

@@ -80,7 +80,9 @@ inline float welem(int type, const uint8_t* row, int64_t j) {
 
 // Block scales (half floats) as floats through a 64K-entry table (256 KB, filled once when the library loads; it stays
 // in L2): a scale becomes one load that a broadcast takes straight from memory, instead of 2-3 vector instructions
-// (vpbroadcastw + vcvtph2ps) on the ports the dot products need. Measured: Q4_0 GEMV 20% fewer cycles per block.
+// (vpbroadcastw + vcvtph2ps) on the ports the arithmetic needs (measured on the earlier per-row Q4_0 GEMV tile: 20%
+// fewer cycles per block). The axpy and dequantisation loops and the portable tile use it; the lane tiles convert 8
+// or 16 rows' scales at once with vcvtph2ps instead.
 extern const float* const f16_table;
 inline float f16_scale(const uint8_t* p) { return f16_table[rd_u16(p)]; }
 
@@ -217,6 +219,14 @@ struct Q8Acts {
 // that Xeon (benchmarks/gemv_ab.py; 5632-wide rows equal), for a reason not found yet (not the prefetch distance).
 inline int32_t rd_i32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
+// The leading dwords of 4 rows' blocks (d | m << 16 for Q4_1; d and two bytes not used otherwise), one per i32 lane:
+// the lane tiles' scales, 4 rows per 128-bit lane
+inline __m128i lead4(const uint8_t* const* blk) {
+  __m128i s = _mm_cvtsi32_si128(rd_i32(blk[0]));
+  for (int i = 1; i < 4; ++i) s = _mm_insert_epi32(s, rd_i32(blk[i]), i);
+  return s;
+}
+
 // The lane tiles are written once against two register widths: L8 (ymm, 8 rows; every AVX2 build) and L16 (zmm,
 // 16 rows, rows r, r + 4, r + 8, r + 12 in the four 128-bit lanes of one register; AVX-512 builds with VNNI). A row's
 // lane computes the same operations in the same order in both, so the two give the same bits and mix freely (a call's
@@ -269,14 +279,9 @@ struct L8 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
 #endif
   }
-  // the rows' leading dwords (d | m << 16 for Q4_1), rows in lane order: 4 per 128-bit lane
+  // the rows' leading dwords (lead4), rows in lane order: 4 per 128-bit lane
   static vi lead(const uint8_t* const* blk) {
-    __m128i s[2];
-    for (int h = 0; h < 2; ++h) {
-      s[h] = _mm_cvtsi32_si128(rd_i32(blk[4 * h]));
-      for (int i = 1; i < 4; ++i) s[h] = _mm_insert_epi32(s[h], rd_i32(blk[4 * h + i]), i);
-    }
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(s[0]), s[1], 1);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lead4(blk)), lead4(blk + 4), 1);
   }
   // lead's low halves (d) and high halves (m) as N floats each, rows in order
   static void halves(vi v, vf& d, vf& m, bool want_m) {
@@ -320,13 +325,10 @@ struct L16 {
   template <int TY>
   static vi dot(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static vi lead(const uint8_t* const* blk) {
-    __m512i v = _mm512_setzero_si512();
-    for (int h = 0; h < 4; ++h) {
-      __m128i s = _mm_cvtsi32_si128(rd_i32(blk[4 * h]));
-      for (int i = 1; i < 4; ++i) s = _mm_insert_epi32(s, rd_i32(blk[4 * h + i]), i);
-      v = _mm512_inserti32x4(v, s, h);
-    }
-    return v;
+    __m512i v = _mm512_castsi128_si512(lead4(blk));
+    v = _mm512_inserti32x4(v, lead4(blk + 4), 1);
+    v = _mm512_inserti32x4(v, lead4(blk + 8), 2);
+    return _mm512_inserti32x4(v, lead4(blk + 12), 3);
   }
   static void halves(vi v, vf& d, vf& m, bool want_m) {
     const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
