@@ -175,8 +175,8 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(model, refs, monkeyp
         assert b.admit(s)
     real_rows, real_forward = model.run_rows, model.transformer.forward
 
-    def poisoned_rows(ids, pos, caches, out_rows):
-        logits = real_rows(ids, pos, caches, out_rows).clone()
+    def poisoned_rows(ids, pos, caches, out_rows, launch=None):
+        logits = real_rows(ids, pos, caches, out_rows, launch).clone()
         for li, i in enumerate(out_rows):
             if caches[i] is seqs[1].slot.cache and pos[i] >= len(PROMPTS[1]) + 1:
                 logits[li, 5] = float("nan")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,20 +201,23 @@ class Model:
         return invariant_chunk(self) if self.batchable() else PREFILL_CHUNK
 
     @torch.inference_mode()
-    def run_rows(self, tokens: Sequence[int], pos: Sequence[int], caches: list, out_rows: Sequence[int]
-                 ) -> torch.Tensor:
+    def run_rows(self, tokens: Sequence[int], pos: Sequence[int], caches: list, out_rows: Sequence[int],
+                 launch: Callable[[], None] | None = None) -> torch.Tensor:
         """One forward pass over rows of several sequences: row t is token tokens[t] at position pos[t] of KV cache
         caches[t] (a cache's rows in position order) -> the logits of rows out_rows, [len(out_rows), vocab]. Without
-        batchable(): one sequence's consecutive rows in the model's own cache, as Model.generate runs them."""
+        batchable(): one sequence's consecutive rows in the model's own cache, as Model.generate runs them. launch:
+        called just before the pass's kernels start (Transformer.forward_rows)."""
         if self.batchable():
             return self.transformer.forward_rows(torch.tensor(list(tokens), dtype=torch.long),
                                                  torch.tensor(list(pos), dtype=torch.long), caches,
-                                                 torch.tensor(list(out_rows), dtype=torch.long))
+                                                 torch.tensor(list(out_rows), dtype=torch.long), launch)
         tr = self.transformer
         if any(c is not tr.cache for c in caches) or list(pos) != list(range(pos[0], pos[0] + len(pos))):
             raise PinferError("without batchable numerics a forward takes one sequence's rows in the model's cache")
         kw = {"row_invariant": True} if self.row_invariant else {}
         last_only = list(out_rows) in ([], [len(tokens) - 1])  # a prompt chunk or a decode row: no other logits
+        if launch is not None:
+            launch()
         logits = tr.forward(torch.tensor(list(tokens), dtype=torch.long), pos[0], all_logits=not last_only, **kw)
         return logits[:len(out_rows)] if last_only else logits[list(out_rows)]
 

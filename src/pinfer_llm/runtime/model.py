@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -163,20 +164,26 @@ class Transformer:
         return self.fused and all(b.attn_dev is None for b in self.blocks)
 
     def forward_rows(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache],
-                     out_rows: torch.Tensor) -> torch.Tensor:
+                     out_rows: torch.Tensor, launch: Callable[[], None] | None = None) -> torch.Tensor:
         """A batch: tokens [T], row t at position pos[t] of the KV cache caches[t] (a cache's rows in position order:
         several sequences' decode steps, a prompt's rows, or both) -> logits [len(out_rows), vocab] of the rows
         out_rows. Row t's logits and cache rows are the bits it gets alone, as a decode step or in a row-invariant
         prefill: fewer rows than the kernels' GEMM crossover, attention row by row, a neuron-major FFN over the
         union of the rows' neurons, each row masked to its own (the C++ step does the same in one call, csrc/step.cpp
-        decode_rows)."""
+        decode_rows).
+
+        launch (optional) is called once the inputs are ready, just before the pass's kernels start: pi-serve hands
+        the previous step's tokens to its event loop there, so the loop's work overlaps the kernels (which run
+        without the GIL) instead of taking the GIL from this thread's own Python between steps."""
         if not self.batchable():
             raise PinferError("batched rows need the C++ kernels and every layer's attention on the CPU")
         x = self.tok_embd(tokens)
         if self.pos_embd is not None:
             x = x + self.pos_embd(pos + C.OPT_POS_OFFSET)
         if self.use_step and (step := self.decode_step()) is not None:
-            return step.rows(x, pos, caches, out_rows)
+            return step.rows(x, pos, caches, out_rows, launch)
+        if launch is not None:
+            launch()
         cfg = self.cfg
         H, Hkv, D, neox = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope == "neox"
         ps = pos.tolist()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -92,11 +93,16 @@ class DecodeStep:
         self._count(1)
         return logits
 
-    def rows(self, x: torch.Tensor, pos: torch.Tensor, caches: list, out_rows: torch.Tensor) -> torch.Tensor:
+    def rows(self, x: torch.Tensor, pos: torch.Tensor, caches: list, out_rows: torch.Tensor,
+             launch: Callable[[], None] | None = None) -> torch.Tensor:
         """x [T, d] float32, row t at position pos[t] of KV cache caches[t] (runtime/model.py KVCache) -> logits of the
-        rows out_rows [k] ([k, vocab]); writes the caches. Each row's bits are its `__call__`'s alone."""
+        rows out_rows [k] ([k, vocab]); writes the caches. Each row's bits are its `__call__`'s alone. launch: called
+        just before the kernels start (Transformer.forward_rows says why)."""
         slot = torch.tensor([self._slot(c) for c in caches], dtype=torch.long)
-        logits = self.native.run_rows(x.float().contiguous(), pos, slot, out_rows)
+        x = x.float().contiguous()
+        if launch is not None:
+            launch()
+        logits = self.native.run_rows(x, pos, slot, out_rows)
         self._count(x.shape[0])
         return logits
 

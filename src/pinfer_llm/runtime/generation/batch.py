@@ -23,11 +23,12 @@ slot, the model's own cache, and prompts prefilled in Model.generate's chunks, s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from pinfer_llm.formats.errors import PinferError
-from pinfer_llm.runtime.sampling import SamplingParams, finite, make_sampler
+from pinfer_llm.runtime.sampling import SamplingParams, finite_rows, make_sampler
 
 
 @dataclass
@@ -124,9 +125,10 @@ class Batch:
         self.active.append(seq)
         return True
 
-    def step(self) -> list[tuple[Sequence, int]]:
+    def step(self, launch: Callable[[], None] | None = None) -> list[tuple[Sequence, int]]:
         """One forward pass over every active sequence -> the tokens sampled, in row order. Sequences that finish
-        (or were cancelled) leave their slot."""
+        (or were cancelled) leave their slot. launch: called just before the pass's kernels start, if there is a
+        pass (Model.run_rows)."""
         for seq in [s for s in self.active if s.cancelled]:
             self.finish(seq, "cancelled")
         rows: list[tuple[Sequence, int, int, bool]] = []  # (sequence, token, position, its logits wanted)
@@ -149,7 +151,7 @@ class Batch:
             return []
         out_rows = [i for i, r in enumerate(rows) if r[3]]
         logits = self.m.run_rows([r[1] for r in rows], [r[2] for r in rows], [r[0].slot.cache for r in rows],
-                                 out_rows)
+                                 out_rows, launch)
         self.steps += 1
         self.rows_run += len(rows)
         fed: dict[int, int] = {}  # prompt rows per sequence
@@ -163,6 +165,7 @@ class Batch:
                 del seq.pending[:fed[id(seq)]]
         now = time.perf_counter()
         events = []
+        ok = finite_rows(logits)
         for li, i in enumerate(out_rows):
             seq = rows[i][0]
             if not seq.tokens:  # its prompt is through: the first new token's logits
@@ -172,7 +175,7 @@ class Batch:
                 self.finish(seq, "length")
                 continue
             row = logits[li]
-            if not finite(row):  # this sequence fails; the others go on
+            if not ok[li]:  # this sequence fails; the others go on
                 seq.error = PinferError(f"{self.m.file.path}: the model's weights are corrupt: the logits at "
                                         f"position {seq.pos} are not finite (NaN or inf)")
                 self.finish(seq, "error")

@@ -54,10 +54,7 @@ class Job:
         self.cancelled.set()
 
     def post(self, kind: int, value: Any = None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
-        except RuntimeError:  # the loop has closed: the server is shutting down and nobody is listening
-            self.cancelled.set()
+        deliver(self.loop, [(self, kind, value)])
 
     def __aiter__(self):
         return self
@@ -69,6 +66,22 @@ class Job:
         if kind == _ERROR:
             raise value
         return value
+
+
+def deliver(loop: asyncio.AbstractEventLoop, posts: list[tuple[Job, int, Any]]) -> None:
+    """Hand (job, kind, value) items to their jobs' queues on the event loop, in order, with one wake-up.
+
+    Each call_soon_threadsafe writes to the loop's self-pipe and wakes it; the model's thread then competes with the
+    loop for the GIL at its next torch call, and the loop's work steals a core from the threads of the next step. A
+    step's items for every client go in one call (ModelWorker._flush)."""
+    def put() -> None:
+        for job, kind, value in posts:
+            job.items.put_nowait((kind, value))
+    try:
+        loop.call_soon_threadsafe(put)
+    except RuntimeError:  # the loop has closed: the server is shutting down and nobody is listening
+        for job, _kind, _value in posts:
+            job.cancelled.set()
 
 
 class ExclusiveJob(Job):
@@ -132,6 +145,7 @@ class ModelWorker:
         self._queued = 0  # submitted, not yet in a slot or run
         self._running = 0  # in a slot, or the exclusive job now running
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: list[tuple[Job, int, Any]] = []  # a step's items for the event loop, sent together (_flush)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pi-serve-model", daemon=True)
         self._thread.start()
@@ -201,6 +215,8 @@ class ModelWorker:
             self._admit(waiting, jobs)
             if jobs:
                 self._step(jobs)
+            if not jobs:  # else the next step's launch sends what this one left
+                self._flush()
 
     def _admit(self, waiting: collections.deque, jobs: dict) -> None:
         """In arrival order: generations into free slots; an exclusive job when it is first in line and may run
@@ -217,6 +233,7 @@ class ModelWorker:
                     return
                 waiting.popleft()
                 self._dequeued(running=True)
+                self._flush()  # the generations' last tokens first: this job may take a while
                 try:
                     job.run()
                 finally:
@@ -243,7 +260,11 @@ class ModelWorker:
             if job.cancelled.is_set() and not job.seq.done:
                 job.seq.cancelled = True
         try:
-            events = self.batch.step()
+            # the items the last step left go to the event loop as this pass's kernels start: the loop then formats
+            # and sends them while the kernels run without the GIL. Sent before the pass, its wake-up took the GIL
+            # from this thread's Python between steps (pi-serve, SmolLM2, 4 clients: 4 token embeddings took 0.34 ms
+            # against 8 us alone, a logits check 0.14 ms against 0.03)
+            events = self.batch.step(launch=self._flush)
         except Exception as e:  # noqa: BLE001 - every generation in the step fails; the server goes on
             log.error("generation failed", exc_info=e)
             self.batch.cancel_all()
@@ -264,7 +285,7 @@ class ModelWorker:
     def _text(self, job: GenerationJob, delta: str) -> None:
         if job.gen.observer is not None:
             job.gen.observer.text(delta)
-        job.post(_ITEM, delta)
+        self._outbox.append((job, _ITEM, delta))
 
     def _end(self, jobs: dict, job: GenerationJob, error: Exception | None = None) -> None:
         seq = job.seq
@@ -283,11 +304,19 @@ class ModelWorker:
         if job.gen.observer is not None:
             job.gen.observer.end(fin)
         if error is not None:
-            job.post(_ERROR, error)
+            self._outbox.append((job, _ERROR, error))
         else:
             if fin.finish_reason != "cancelled":
-                job.post(_ITEM, fin)
-            job.post(_END)
+                self._outbox.append((job, _ITEM, fin))
+            self._outbox.append((job, _END, None))
+
+    def _flush(self) -> None:
+        posts, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for post in posts:
+            by_loop.setdefault(post[0].loop, []).append(post)
+        for loop, items in by_loop.items():
+            deliver(loop, items)
 
     def _dequeued(self, running: bool) -> None:
         with self._lock:
@@ -298,6 +327,7 @@ class ModelWorker:
         self.batch.cancel_all()
         for job in list(jobs.values()):
             self._end(jobs, job)
+        self._flush()
         for job in waiting:
             job.post(_END)
 
