@@ -6,6 +6,7 @@
 //
 // Rotary pairs: adjacent (2i, 2i+1), GGUF's Llama layout (llama.cpp's converter permutes Q/K rows for it); or with
 // neox, the halves (i, i + D/2) (GPT-NeoX / Falcon). Pair i uses rope row i either way.
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels.h"
@@ -48,6 +49,47 @@ void store_row(const float* qkv, const float* rope, KV* kc, KV* vc, int64_t ctx,
   }
 }
 
+#if defined(PINFER_AVX2)
+// VW vectors -> one vector whose lane i is the sum of v[i]'s lanes: pairs within 128-bit lanes (unpack), then pairs
+// of pairs (shuffle), then across 128-bit lanes. About 3 instructions per vector, against ~8 for a horizontal sum of
+// each (on zmm), which a 64-wide key's 4 multiply-adds would otherwise wait on.
+#if defined(PINFER_AVX512)
+inline vf lane_sums(vf* v) {
+  vf s1[8], s2[4];
+  for (int i = 0; i < 8; ++i)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // each 128-bit lane: the lane sums of v[4i .. 4i + 3]
+    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  const vf u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x44), _mm512_shuffle_f32x4(s2[0], s2[1], 0xEE));
+  const vf u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x44), _mm512_shuffle_f32x4(s2[2], s2[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+#else
+inline vf lane_sums(vf* v) {
+  vf s1[4], s2[2];
+  for (int i = 0; i < 4; ++i)
+    s1[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    s2[i] = _mm256_add_ps(_mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s2[0], s2[1], 0x20), _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
+}
+#endif
+
+// the scores of keys t .. t + VW - 1 (rows kt, one key per output lane) against q over D values (D % VW == 0)
+template <int TY>
+inline void key_scores(const uint8_t* const* kt, const float* q, int64_t D, float* out) {
+  vf acc[VW];
+  for (int r = 0; r < VW; ++r) acc[r] = vzero();
+  for (int64_t i = 0; i < D; i += VW) {
+    const vf qv = vload(q + i);
+    for (int r = 0; r < VW; ++r) acc[r] = vfma(wload<TY>(kt[r], i), qv, acc[r]);
+  }
+  vstore(out, lane_sums(acc));
+}
+#endif
+
 // one query head qh [D] against its kv head's rows 0..n-1 (kh, vh [n, D]) -> oh [D]; p: scratch
 template <typename KV>
 void attend_head(const float* qh, const KV* kh_, const KV* vh_, int64_t n, int64_t D, float scale, float* oh,
@@ -55,22 +97,44 @@ void attend_head(const float* qh, const KV* kh_, const KV* vh_, int64_t n, int64
   constexpr int TY = kv_type<KV>();
   const int64_t row = D * (int64_t)sizeof(KV);
   const uint8_t *kh = (const uint8_t*)kh_, *vh = (const uint8_t*)vh_;
-  p.resize(n);
-  // the scores 8 keys per tile (8 independent FMA chains instead of one): each key's sum runs in the same order
-  // for any tile height, so the bits are the one-key tile's
-  constexpr int KR = 8;
   int64_t t = 0;
-  for (; t + KR <= n; t += KR) {
-    const uint8_t* kt[KR];
-    for (int r = 0; r < KR; ++r) kt[r] = kh + (t + r) * row;
-    ftile<TY, KR, 1>(kt, &qh, D, p.data() + t, 1);
+#if defined(PINFER_AVX2)
+  if (D % VW == 0) {  // VW keys per tile, one per lane; the last tile repeats key n - 1 in the lanes past n
+    p.resize((n + VW - 1) / VW * VW);
+    for (; t < n; t += VW) {
+      const uint8_t* kt[VW];
+      for (int r = 0; r < VW; ++r) kt[r] = kh + std::min<int64_t>(t + r, n - 1) * row;
+      key_scores<TY>(kt, qh, D, p.data() + t);
+    }
   }
-  for (; t < n; ++t) {
-    const uint8_t* kt = kh + t * row;
-    ftile<TY, 1, 1>(&kt, &qh, D, p.data() + t, 1);
+#endif
+  if (t < n) {  // a head size that is not a multiple of VW, or the portable build: 8 keys per tile
+    p.resize(n);
+    constexpr int KR = 8;
+    for (; t + KR <= n; t += KR) {
+      const uint8_t* kt[KR];
+      for (int r = 0; r < KR; ++r) kt[r] = kh + (t + r) * row;
+      ftile<TY, KR, 1>(kt, &qh, D, p.data() + t, 1);
+    }
+    for (; t < n; ++t) {
+      const uint8_t* kt = kh + t * row;
+      ftile<TY, 1, 1>(&kt, &qh, D, p.data() + t, 1);
+    }
   }
+  // scaled, and their maximum: lane-wise, then across the lanes (a maximum is the same in any order). One scalar
+  // max chain was a quarter of the head's time 1024 keys deep (4 cycles a key).
+  vf vmx = vset1(-INFINITY);
+  t = 0;
+  for (; t + VW <= n; t += VW) {
+    const vf sv = vmul(vload(p.data() + t), vset1(scale));
+    vstore(p.data() + t, sv);
+    vmx = vmax(vmx, sv);
+  }
+  float lanes[VW];
+  vstore(lanes, vmx);
   float mx = -INFINITY;
-  for (t = 0; t < n; ++t) {
+  for (int i = 0; i < VW; ++i) mx = std::max(mx, lanes[i]);
+  for (; t < n; ++t) {
     p[t] *= scale;
     mx = std::max(mx, p[t]);
   }
