@@ -1,14 +1,14 @@
 """What a batched decode step costs per row: Model.run_rows over T sequences' decode rows, T = 1, 2, 4, 8.
 
     python benchmarks/batch_step.py [--models smollm2,planted] [--rows 1,2,4,8] [--steps 60] [--rounds 3]
-                                    [--threads 2] [--src DIR] [--against DIR] [--json]
+                                    [--threads 2] [--depth 40] [--src DIR] [--against DIR] [--json]
 
 pi-serve decodes its slots together (continuous batching, runtime/generation/batch.py): one forward over every
 sequence's last token per step, each in its own KV cache. How far that multiplies throughput is T x (step of 1 row)
 / (step of T rows), the batch's ceiling before the server's own costs (sampling, streaming, the clients). Each round
-fills T caches with a 40-token prompt, then times --steps steps of T decode rows (the first 10 are not counted),
-for every T in turn; reported: the median step time per T over rounds, and `T x one / T rows` per T. Models:
-SmolLM2-135M Q4_1 (dense: the rows share every weight read) and the planted ReLU model of
+fills T caches with a --depth-token prompt (default 40), then times --steps steps of T decode rows (the first 10 are
+not counted), for every T in turn; reported: the median step time per T over rounds, and `T x one / T rows` per T.
+Models: SmolLM2-135M Q4_1 (dense: the rows share every weight read) and the planted ReLU model of
 benchmarks/sparsity_demo.py with its predictors (--sparse: the FFN runs once over the union of the rows' neurons,
 each row masked to its own, runtime/cpu/csrc/sparse_ffn.cpp; the union grows with T, as the share printed says).
 
@@ -33,12 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def step_ms(m, T: int, steps: int) -> float:
-    """Median ms of a decode step of T rows, T sequences after a 40-token prompt each."""
-    ids = m.tokenizer.encode("Once upon a time there was a fox and a dog who lived by the river. " * 4)[:40]
+def step_ms(m, T: int, steps: int, depth: int = 40) -> float:
+    """Median ms of a decode step of T rows, T sequences after a `depth`-token prompt each."""
+    text = "Once upon a time there was a fox and a dog who lived by the river. "
+    ids = m.tokenizer.encode(text * (depth // 8 + 4))[:depth]
     caches = [m.new_cache() for _ in range(T)]
-    for c in caches:
-        m.run_rows(ids, list(range(len(ids))), [c] * len(ids), [])
+    for c in caches:  # in chunks of 32 rows: a batch's rows stay below the kernels' GEMM crossover
+        for i in range(0, len(ids), 32):
+            m.run_rows(ids[i:i + 32], list(range(i, min(i + 32, len(ids)))), [c] * len(ids[i:i + 32]), [])
     times = []
     for s in range(steps):
         toks = [(ids[(s + 5 * i) % len(ids)] + i) % m.cfg.vocab_size for i in range(T)]
@@ -48,10 +50,15 @@ def step_ms(m, T: int, steps: int) -> float:
     return statistics.median(times[10:]) * 1e3
 
 
-def measure(name: str, path: str, kw: dict, args) -> dict:
+def load(path: str, kw: dict, args):
     from pinfer_llm.runtime import load_model
 
-    m = load_model(path, threads=args.threads, **kw)
+    need = args.depth + args.steps + 16
+    return load_model(path, threads=args.threads, ctx_size=need if need > 2048 else None, **kw)
+
+
+def measure(name: str, path: str, kw: dict, args) -> dict:
+    m = load(path, kw, args)
     if not m.batchable():
         raise SystemExit(f"{name}: this model's rows cannot be batched (row_invariant off or GPU layers)")
     rows = [int(t) for t in args.rows.split(",")]
@@ -59,7 +66,7 @@ def measure(name: str, path: str, kw: dict, args) -> dict:
     per = {T: [] for T in rows}
     for r in range(args.rounds):
         for T in (rows if r % 2 == 0 else rows[::-1]):
-            per[T].append(step_ms(m, T, args.steps))
+            per[T].append(step_ms(m, T, args.steps, args.depth))
     med = {T: statistics.median(v) for T, v in per.items()}
     one = med.get(1)
     share = None
@@ -75,17 +82,15 @@ def worker(args) -> None:
     """--worker: load one model from --src, then answer "T STEPS" lines on stdin with step_ms on stdout."""
     import sparsity_demo as sd
 
-    from pinfer_llm.runtime import load_model
-
     label, path, kw = sd.bench_models(args.models, args.threads)[0]
-    m = load_model(path, threads=args.threads, **kw)
+    m = load(path, kw, args)
     if not m.batchable():
         raise SystemExit(f"{label}: this model's rows cannot be batched (row_invariant off or GPU layers)")
     step_ms(m, 4, 12)  # warm-up
     print(json.dumps({"ready": label}), flush=True)
     for line in sys.stdin:
         T, steps = map(int, line.split())
-        print(json.dumps(step_ms(m, T, steps)), flush=True)
+        print(json.dumps(step_ms(m, T, steps, args.depth)), flush=True)
 
 
 def against(args) -> list[dict]:
@@ -97,7 +102,8 @@ def against(args) -> list[dict]:
         try:
             for src in (args.src, args.against):
                 p = subprocess.Popen([sys.executable, __file__, "--worker", "--src", src, "--models", name,
-                                      "--threads", str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      "--threads", str(args.threads), "--depth", str(args.depth)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
                 procs.append(p)
                 line = p.stdout.readline()
@@ -136,6 +142,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=40, help="each sequence's prompt before the timed steps (its cache "
+                    "is that deep): attention's share grows with it")
     ap.add_argument("--src", default=str(ROOT / "src"), help="import pinfer_llm from this src/ directory")
     ap.add_argument("--against", metavar="DIR", help="another src/ directory, measured side by side (see above)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -148,7 +156,8 @@ def main() -> None:
                              indent=2))
             return
         for r in res:
-            print(f"{r['model']}, {args.threads} threads, {r['rounds']} paired rounds of {r['steps']} steps:")
+            print(f"{r['model']}, {args.threads} threads, {args.depth} deep, {r['rounds']} paired rounds of "
+                  f"{r['steps']} steps:")
             for T, v in r["rows"].items():
                 tp = (f"; T x one / step {v['throughput_over_one']}x against {v['against_throughput_over_one']}x"
                       if "throughput_over_one" in v else "")
