@@ -90,69 +90,93 @@ inline void key_scores(const uint8_t* const* kt, const float* q, int64_t D, floa
 }
 #endif
 
-// one query head qh [D] against its kv head's rows 0..n-1 (kh, vh [n, D]) -> oh [D]; p: scratch
+// C query heads q [C, D] (consecutive, one kv head) against that head's rows 0..n-1 (kh, vh [n, D]) -> out [C, D];
+// p, kb, vrows: scratch. Each head's bits are its own whatever C: the heads share only the reading (and, for a half
+// cache, the conversion) of each key and value row, which a 1024-deep head was bound by (4 conversions a row).
 template <typename KV>
-void attend_head(const float* qh, const KV* kh_, const KV* vh_, int64_t n, int64_t D, float scale, float* oh,
-                 std::vector<float>& p, std::vector<const uint8_t*>& vrows) {
+void attend_group(const float* q, int64_t C, const KV* kh_, const KV* vh_, int64_t n, int64_t D, float scale,
+                  float* out, std::vector<float>& p, std::vector<float>& kb, std::vector<const uint8_t*>& vrows) {
   constexpr int TY = kv_type<KV>();
   const int64_t row = D * (int64_t)sizeof(KV);
   const uint8_t *kh = (const uint8_t*)kh_, *vh = (const uint8_t*)vh_;
+  const int64_t np = (n + VW - 1) / VW * VW;  // a head's stride in p
+  p.resize(C * np);
   int64_t t = 0;
 #if defined(PINFER_AVX2)
   if (D % VW == 0) {  // VW keys per tile, one per lane; the last tile repeats key n - 1 in the lanes past n
-    p.resize((n + VW - 1) / VW * VW);
+    kb.resize(TY == F32 ? 0 : VW * D);
     for (; t < n; t += VW) {
       const uint8_t* kt[VW];
       for (int r = 0; r < VW; ++r) kt[r] = kh + std::min<int64_t>(t + r, n - 1) * row;
-      key_scores<TY>(kt, qh, D, p.data() + t);
+      if constexpr (TY != F32) {  // the tile's keys as floats once, for every head of the group
+        for (int r = 0; r < VW; ++r) {
+          float* dst = kb.data() + r * D;
+          for (int64_t i = 0; i < D; i += VW) vstore(dst + i, wload<TY>(kt[r], i));
+          kt[r] = (const uint8_t*)dst;
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) key_scores<F32>(kt, q + c * D, D, p.data() + c * np + t);
     }
   }
 #endif
-  if (t < n) {  // a head size that is not a multiple of VW, or the portable build: 8 keys per tile
-    p.resize(n);
+  for (int64_t c = 0; c < C && t < n; ++c) {  // a head size that is not a multiple of VW, or the portable build
+    const float* qh = q + c * D;
+    float* pc = p.data() + c * np;
     constexpr int KR = 8;
-    for (; t + KR <= n; t += KR) {
+    int64_t k = 0;
+    for (; k + KR <= n; k += KR) {
       const uint8_t* kt[KR];
-      for (int r = 0; r < KR; ++r) kt[r] = kh + (t + r) * row;
-      ftile<TY, KR, 1>(kt, &qh, D, p.data() + t, 1);
+      for (int r = 0; r < KR; ++r) kt[r] = kh + (k + r) * row;
+      ftile<TY, KR, 1>(kt, &qh, D, pc + k, 1);
     }
+    for (; k < n; ++k) {
+      const uint8_t* kt = kh + k * row;
+      ftile<TY, 1, 1>(&kt, &qh, D, pc + k, 1);
+    }
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    float* pc = p.data() + c * np;
+    // scaled, and their maximum: lane-wise, then across the lanes (a maximum is the same in any order). One scalar
+    // max chain was a quarter of the head's time 1024 keys deep (4 cycles a key).
+    vf vmx = vset1(-INFINITY);
+    t = 0;
+    for (; t + VW <= n; t += VW) {
+      const vf sv = vmul(vload(pc + t), vset1(scale));
+      vstore(pc + t, sv);
+      vmx = vmax(vmx, sv);
+    }
+    float lanes[VW];
+    vstore(lanes, vmx);
+    float mx = -INFINITY;
+    for (int i = 0; i < VW; ++i) mx = std::max(mx, lanes[i]);
     for (; t < n; ++t) {
-      const uint8_t* kt = kh + t * row;
-      ftile<TY, 1, 1>(&kt, &qh, D, p.data() + t, 1);
+      pc[t] *= scale;
+      mx = std::max(mx, pc[t]);
     }
+    vf vsum_ = vzero();
+    t = 0;
+    for (; t + VW <= n; t += VW) {
+      const vf ev = exp_nonpos(vsub(vload(pc + t), vset1(mx)));
+      vstore(pc + t, ev);
+      vsum_ = vadd(vsum_, ev);
+    }
+    float sum = vsum(vsum_);
+    for (; t < n; ++t) sum += (pc[t] = std::exp(pc[t] - mx));
+    const float inv = 1.f / sum;
+    for (t = 0; t < n; ++t) pc[t] *= inv;
   }
-  // scaled, and their maximum: lane-wise, then across the lanes (a maximum is the same in any order). One scalar
-  // max chain was a quarter of the head's time 1024 keys deep (4 cycles a key).
-  vf vmx = vset1(-INFINITY);
-  t = 0;
-  for (; t + VW <= n; t += VW) {
-    const vf sv = vmul(vload(p.data() + t), vset1(scale));
-    vstore(p.data() + t, sv);
-    vmx = vmax(vmx, sv);
-  }
-  float lanes[VW];
-  vstore(lanes, vmx);
-  float mx = -INFINITY;
-  for (int i = 0; i < VW; ++i) mx = std::max(mx, lanes[i]);
-  for (; t < n; ++t) {
-    p[t] *= scale;
-    mx = std::max(mx, p[t]);
-  }
-  vf vsum_ = vzero();
-  t = 0;
-  for (; t + VW <= n; t += VW) {
-    const vf ev = exp_nonpos(vsub(vload(p.data() + t), vset1(mx)));
-    vstore(p.data() + t, ev);
-    vsum_ = vadd(vsum_, ev);
-  }
-  float sum = vsum(vsum_);
-  for (; t < n; ++t) sum += (p[t] = std::exp(p[t] - mx));
-  const float inv = 1.f / sum;
-  for (t = 0; t < n; ++t) p[t] *= inv;
-  std::fill(oh, oh + D, 0.f);
-  vrows.resize(n);  // value rows, several per pass (axpy_rows)
+  std::fill(out, out + C * D, 0.f);
+  vrows.resize(n);  // value rows, several per pass, each read (and converted) once for the C heads (axpy_rows)
   for (t = 0; t < n; ++t) vrows[t] = vh + t * row;
-  axpy_rows(TY, vrows.data(), n, p.data(), 0, 1, oh, 0, 0, D);
+  axpy_rows(TY, vrows.data(), n, p.data(), np, C, out, D, 0, D);
+}
+
+// one query head qh [D]: attend_group of one
+template <typename KV>
+void attend_head(const float* qh, const KV* kh, const KV* vh, int64_t n, int64_t D, float scale, float* oh,
+                 std::vector<float>& p, std::vector<const uint8_t*>& vrows) {
+  thread_local std::vector<float> kb;
+  attend_group(qh, 1, kh, vh, n, D, scale, oh, p, kb, vrows);
 }
 
 }  // namespace
@@ -208,12 +232,14 @@ void attend_store(const float* qkv, const float* rope, KV* kc, KV* vc, int64_t c
 template <typename KV>
 void attend_heads(const float* q, const KV* kc, const KV* vc, int64_t ctx, int64_t D, int64_t pos, int64_t H,
                   int64_t Hkv, float scale, int64_t h0, int64_t h1, float* out) {
-  thread_local std::vector<float> p;
+  thread_local std::vector<float> p, kb;
   thread_local std::vector<const uint8_t*> vrows;
   const int64_t group = H / Hkv;
-  for (int64_t h = h0; h < h1; ++h)
-    attend_head(q + h * D, kc + (h / group) * ctx * D, vc + (h / group) * ctx * D, pos + 1, D, scale, out + h * D, p,
-                vrows);
+  for (int64_t h = h0; h < h1;) {  // the heads of one kv head together (the same bits as one by one)
+    const int64_t g = h / group, e = std::min(h1, (g + 1) * group);
+    attend_group(q + h * D, e - h, kc + g * ctx * D, vc + g * ctx * D, pos + 1, D, scale, out + h * D, p, kb, vrows);
+    h = e;
+  }
 }
 
 template void attend_store<float>(const float*, const float*, float*, float*, int64_t, int64_t, int64_t, int64_t,
