@@ -104,16 +104,18 @@ void attend_group(const float* q, int64_t C, const KV* kh_, const KV* vh_, int64
   int64_t t = 0;
 #if defined(PINFER_AVX2)
   if (D % VW == 0) {  // VW keys per tile, one per lane; the last tile repeats key n - 1 in the lanes past n
-    kb.resize(TY == F32 ? 0 : VW * D);
+    kb.resize(TY == F32 || C == 1 ? 0 : VW * D);
     for (; t < n; t += VW) {
       const uint8_t* kt[VW];
       for (int r = 0; r < VW; ++r) kt[r] = kh + std::min<int64_t>(t + r, n - 1) * row;
-      if constexpr (TY != F32) {  // the tile's keys as floats once, for every head of the group
-        for (int r = 0; r < VW; ++r) {
-          float* dst = kb.data() + r * D;
-          for (int64_t i = 0; i < D; i += VW) vstore(dst + i, wload<TY>(kt[r], i));
-          kt[r] = (const uint8_t*)dst;
-        }
+      if (TY == F32 || C == 1) {  // (the same values either way: a half converts exactly)
+        for (int64_t c = 0; c < C; ++c) key_scores<TY>(kt, q + c * D, D, p.data() + c * np + t);
+        continue;
+      }
+      for (int r = 0; r < VW; ++r) {  // the tile's keys as floats once, for every head of the group
+        float* dst = kb.data() + r * D;
+        for (int64_t i = 0; i < D; i += VW) vstore(dst + i, wload<TY>(kt[r], i));
+        kt[r] = (const uint8_t*)dst;
       }
       for (int64_t c = 0; c < C; ++c) key_scores<F32>(kt, q + c * D, D, p.data() + c * np + t);
     }
