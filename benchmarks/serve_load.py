@@ -70,11 +70,12 @@ class RssSampler:
         self._thread.join(2)
 
 
-def start_server(model: str, threads: int, queue: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, threads: int, queue: int, extra: tuple[str, ...] = (),
+                 src: str | Path = ROOT / "src") -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen([sys.executable, "-m", "pinfer_llm.cli.serve", model, "--port", "0", "-t", str(threads),
                           "--queue", str(queue), *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True,
-                         env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")})
+                         env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(src)})
     # pi-serve may warn before it listens (other processes keeping cores busy, a stale plan): skip those lines, a
     # bounded number of them, until the one that says where it listens
     seen = []
@@ -412,6 +413,45 @@ def rss_growth(model: str, threads: int, n: int) -> dict:
             "growth": round(after1000 / after10 - 1, 4), "990_requests_s": round(took, 1)}
 
 
+def against(args) -> dict:
+    """pi-serve from this tree and from --against (another checkout's src/) side by side: both started, both warmed
+    up, then per round one client and --parallel at once on each, the trees' order alternating. A change to the
+    server is measured against its parent this way; sequential runs drift with the host by more than it."""
+    sparse = args.model == "planted"
+    if sparse:
+        import sparsity_demo as sd
+    model = str(sd.planted_model(args.threads)) if sparse else args.model
+    n = args.parallel
+    extra = ("--parallel", str(n), "-c", "1024", *(("--sparse",) if sparse else ()))
+    trees = [str(ROOT / "src"), args.against]
+    servers = [start_server(model, args.threads, 8, extra, src) for src in trees]
+    one, all_ = [[], []], [[], []]
+    try:
+        for _, url in servers:
+            warm_up(url, n, args.max_tokens, chat=not sparse)
+        for r in range(args.rounds):
+            ps = [f"Once upon a time, {TOPICS[(n * r + i) % len(TOPICS)]}" for i in range(n)] if sparse else \
+                [[{"role": "user", "content": f"Write a long story about {TOPICS[(n * r + i) % len(TOPICS)]}."}]
+                 for i in range(n)]
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                one[i].append(clients_at_once(servers[i][1], ps[:1], args.max_tokens)["tps"])
+                all_[i].append(clients_at_once(servers[i][1], ps, args.max_tokens)["tps"])
+    finally:
+        for p, _ in servers:
+            p.send_signal(signal.SIGINT)
+        for p, _ in servers:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    med = statistics.median
+    return {"model": args.model, "parallel": n, "rounds": args.rounds, "max_tokens": args.max_tokens,
+            "trees": trees, "one_tps": [round(med(x), 1) for x in one], "all_tps": [round(med(x), 1) for x in all_],
+            "all_over_one": [round(med([a / b for a, b in zip(all_[i], one[i], strict=True)]), 3) for i in (0, 1)],
+            "one_over_against": round(med([a / b for a, b in zip(one[0], one[1], strict=True)]), 3),
+            "all_over_against": round(med([a / b for a, b in zip(all_[0], all_[1], strict=True)]), 3)}
+
+
 def render_targets(t: dict) -> None:
     print(f"pi-serve --parallel {t['parallel']}, {t['threads']} threads, {t['model']}, {t['max_tokens']} tokens per "
           f"client, {t['rounds']} paired rounds (medians):")
@@ -449,7 +489,23 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
+    ap.add_argument("--against", metavar="DIR", help="another checkout's src/: its pi-serve and this tree's side by "
+                    "side, one client and --parallel at once, --rounds paired rounds (--model planted: the planted "
+                    "ReLU model, --sparse)")
     args = ap.parse_args()
+    if args.against:
+        if args.max_tokens == 32:
+            args.max_tokens = 128
+        t = against(args)
+        if args.json:
+            print(json.dumps(t, indent=1))
+            return
+        for i, tree in enumerate(t["trees"]):
+            print(f"{tree}: one client {t['one_tps'][i]} tok/s, {t['parallel']} at once {t['all_tps'][i]} "
+                  f"({t['all_over_one'][i]}x)")
+        print(f"this tree / --against, medians of {t['rounds']} paired rounds: one client {t['one_over_against']}x, "
+              f"{t['parallel']} at once {t['all_over_against']}x")
+        return
     if args.targets:
         if args.max_tokens == 32:
             args.max_tokens = 128
