@@ -108,6 +108,13 @@ void attend_group(const float* q, int64_t C, const KV* kh_, const KV* vh_, int64
     for (; t < n; t += VW) {
       const uint8_t* kt[VW];
       for (int r = 0; r < VW; ++r) kt[r] = kh + std::min<int64_t>(t + r, n - 1) * row;
+      // the keys two tiles ahead into L1 and this tile's values into L2: a head's rows are a few KB of a cache that
+      // is not in L2 between steps, and the hardware's streams stop at every 4 KB page
+      const int64_t ahead = std::min<int64_t>(n, t + 3 * VW);
+      for (const uint8_t *a = kh + std::min(t + 2 * VW, ahead) * row, *z = kh + ahead * row; a < z; a += 64)
+        prefetch(a);
+      for (const uint8_t *a = vh + t * row, *z = vh + std::min<int64_t>(n, t + VW) * row; a < z; a += 64)
+        prefetch_l2(a);
       if (TY == F32 || C == 1) {  // (the same values either way: a half converts exactly)
         for (int64_t c = 0; c < C; ++c) key_scores<TY>(kt, q + c * D, D, p.data() + c * np + t);
         continue;
@@ -237,8 +244,11 @@ void attend_heads(const float* q, const KV* kc, const KV* vc, int64_t ctx, int64
   thread_local std::vector<float> p, kb;
   thread_local std::vector<const uint8_t*> vrows;
   const int64_t group = H / Hkv;
+  const int64_t head_rows = std::min<int64_t>(pos + 1, 2 * VW) * D * (int64_t)sizeof(KV);
   for (int64_t h = h0; h < h1;) {  // the heads of one kv head together (the same bits as one by one)
     const int64_t g = h / group, e = std::min(h1, (g + 1) * group);
+    if (e < h1)  // the next kv head's first keys, read while this one's are worked on
+      for (int64_t o = 0; o < head_rows; o += 64) prefetch_l2((const uint8_t*)(kc + (g + 1) * ctx * D) + o);
     attend_group(q + h * D, e - h, kc + g * ctx * D, vc + g * ctx * D, pos + 1, D, scale, out + h * D, p, kb, vrows);
     h = e;
   }
