@@ -276,6 +276,26 @@ def clients_at_once(url: str, prompts: list, max_tokens: int) -> dict:
             "texts": [r["text"] for r in res]}
 
 
+def round_prompts(n: int, r: int, chat: bool = True) -> list:
+    """Round r's n prompts, new topics each round (no round reuses another's prompt from a slot): chat requests
+    asking for a long story, or (chat False) completions of "Once upon a time, <topic>"."""
+    topics = [TOPICS[(n * r + i) % len(TOPICS)] for i in range(n)]
+    if not chat:
+        return [f"Once upon a time, {t}" for t in topics]
+    return [[{"role": "user", "content": f"Write a long story about {t}."}] for t in topics]
+
+
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """Ctrl-C to each server, then wait for each (killed after 30 s)."""
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def warm_up(url: str, n: int, max_tokens: int, chat: bool = True) -> None:
     """One uncounted round, one client and then n: a server's first round ran ~20% slower than its later ones
     (planted model, one client 200-281 tok/s against ~350 from round 2 on: the mapped weights' page tables, the KV
@@ -303,9 +323,6 @@ def targets(args) -> dict:
 
     model = str(resolve_model_path(args.model))
     n, ctx = args.parallel, 1024
-    def prompts_for(r: int) -> list:  # new topics each round: no round reuses another's prompt from a slot
-        return [[{"role": "user", "content": f"Write a long story about {TOPICS[(n * r + i) % len(TOPICS)]}."}]
-                for i in range(n)]
     servers = {"pinfer": start_server(model, args.threads, 8, ("--parallel", str(n), "-c", str(ctx)))}
     llama = Path(args.llama_server)
     if llama.exists():
@@ -315,7 +332,7 @@ def targets(args) -> dict:
         for url in (u for _, u in servers.values()):
             warm_up(url, n, args.max_tokens)
         for r in range(args.rounds):
-            ps = prompts_for(r)
+            ps = round_prompts(n, r)
             asked += ps
             rnd = {}
             for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
@@ -324,13 +341,7 @@ def targets(args) -> dict:
                 rnd[name + "_all"] = clients_at_once(url, ps, args.max_tokens)
             rounds.append(rnd)
     finally:
-        for p, _ in servers.values():
-            p.send_signal(signal.SIGINT)
-        for p, _ in servers.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers([p for p, _ in servers.values()])
     refs = references(model, args.threads, asked, args.max_tokens)  # pi-run --chat --temp 0 on each prompt
     got = [t for rnd in rounds for t in rnd["pinfer_all"]["texts"]]
     med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
@@ -366,7 +377,7 @@ def planted(args) -> dict:
         warm_up(url, args.parallel, args.max_tokens, chat=False)
         ratios, one, all_ = [], [], []
         for r in range(args.rounds):
-            ps = [f"Once upon a time, {TOPICS[(args.parallel * r + i) % len(TOPICS)]}" for i in range(args.parallel)]
+            ps = round_prompts(args.parallel, r, chat=False)
             a, b = clients_at_once(url, ps[:1], args.max_tokens), clients_at_once(url, ps, args.max_tokens)
             one.append(a["tps"]), all_.append(b["tps"]), ratios.append(b["tps"] / a["tps"])
         active = metric(url, "pinfer_ffn_active_fraction{")
@@ -430,20 +441,12 @@ def against(args) -> dict:
         for _, url in servers:
             warm_up(url, n, args.max_tokens, chat=not sparse)
         for r in range(args.rounds):
-            ps = [f"Once upon a time, {TOPICS[(n * r + i) % len(TOPICS)]}" for i in range(n)] if sparse else \
-                [[{"role": "user", "content": f"Write a long story about {TOPICS[(n * r + i) % len(TOPICS)]}."}]
-                 for i in range(n)]
+            ps = round_prompts(n, r, chat=not sparse)
             for i in ((0, 1) if r % 2 == 0 else (1, 0)):
                 one[i].append(clients_at_once(servers[i][1], ps[:1], args.max_tokens)["tps"])
                 all_[i].append(clients_at_once(servers[i][1], ps, args.max_tokens)["tps"])
     finally:
-        for p, _ in servers:
-            p.send_signal(signal.SIGINT)
-        for p, _ in servers:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers([p for p, _ in servers])
     med = statistics.median
     return {"model": args.model, "parallel": n, "rounds": args.rounds, "max_tokens": args.max_tokens,
             "trees": trees, "one_tps": [round(med(x), 1) for x in one], "all_tps": [round(med(x), 1) for x in all_],
