@@ -40,7 +40,8 @@ def step_ms(m, T: int, steps: int, depth: int = 40) -> float:
     caches = [m.new_cache() for _ in range(T)]
     for c in caches:  # in chunks of 32 rows: a batch's rows stay below the kernels' GEMM crossover
         for i in range(0, len(ids), 32):
-            m.run_rows(ids[i:i + 32], list(range(i, min(i + 32, len(ids)))), [c] * len(ids[i:i + 32]), [])
+            chunk = ids[i:i + 32]
+            m.run_rows(chunk, list(range(i, i + len(chunk))), [c] * len(chunk), [])
     times = []
     for s in range(steps):
         toks = [(ids[(s + 5 * i) % len(ids)] + i) % m.cfg.vocab_size for i in range(T)]
