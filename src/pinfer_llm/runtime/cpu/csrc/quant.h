@@ -221,9 +221,9 @@ inline int32_t rd_i32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); retu
 
 // The leading dwords of 4 rows' blocks (d | m << 16 for Q4_1; d and two bytes not used otherwise), one per i32 lane:
 // the lane tiles' scales, 4 rows per 128-bit lane
-inline __m128i lead4(const uint8_t* const* blk) {
-  __m128i s = _mm_cvtsi32_si128(rd_i32(blk[0]));
-  for (int i = 1; i < 4; ++i) s = _mm_insert_epi32(s, rd_i32(blk[i]), i);
+inline __m128i lead4(const uint8_t* const* blk, int64_t bo) {
+  __m128i s = _mm_cvtsi32_si128(rd_i32(blk[0] + bo));
+  for (int i = 1; i < 4; ++i) s = _mm_insert_epi32(s, rd_i32(blk[i] + bo), i);
   return s;
 }
 
@@ -280,8 +280,8 @@ struct L8 {
 #endif
   }
   // the rows' leading dwords (lead4), rows in lane order: 4 per 128-bit lane
-  static vi lead(const uint8_t* const* blk) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lead4(blk)), lead4(blk + 4), 1);
+  static vi lead(const uint8_t* const* blk, int64_t bo) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lead4(blk, bo)), lead4(blk + 4, bo), 1);
   }
   // lead's low halves (d) and high halves (m) as N floats each, rows in order
   static void halves(vi v, vf& d, vf& m, bool want_m) {
@@ -324,11 +324,11 @@ struct L16 {
   static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
   template <int TY>
   static vi dot(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  static vi lead(const uint8_t* const* blk) {
-    __m512i v = _mm512_castsi128_si512(lead4(blk));
-    v = _mm512_inserti32x4(v, lead4(blk + 4), 1);
-    v = _mm512_inserti32x4(v, lead4(blk + 8), 2);
-    return _mm512_inserti32x4(v, lead4(blk + 12), 3);
+  static vi lead(const uint8_t* const* blk, int64_t bo) {
+    __m512i v = _mm512_castsi128_si512(lead4(blk, bo));
+    v = _mm512_inserti32x4(v, lead4(blk + 4, bo), 1);
+    v = _mm512_inserti32x4(v, lead4(blk + 8, bo), 2);
+    return _mm512_inserti32x4(v, lead4(blk + 12, bo), 3);
   }
   static void halves(vi v, vf& d, vf& m, bool want_m) {
     const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
@@ -348,11 +348,11 @@ constexpr int QLANES_MIN = 8;  // the narrow tile, for a call's last rows
 // nibbles 0..15 (the low nibbles of bytes 4k..4k+3 are values 4k.., their high nibbles 16 + 4k..). Q8_0: with VNNI,
 // w + 128 (w ^ 0x80; the sum's start value -128 sum(x) restores w); without VNNI the raw int8 (V::dot's sign trick).
 template <class V, int TY>
-inline void lane_weights(const uint8_t* const* blk, typename V::vi* w) {
+inline void lane_weights(const uint8_t* const* blk, int64_t bo, typename V::vi* w) {
   typedef typename V::vi vi;
   auto transposed = [&](int64_t off, vi* t) {
     vi q[4];
-    for (int i = 0; i < 4; ++i) q[i] = V::load_rows(blk, i, off);
+    for (int i = 0; i < 4; ++i) q[i] = V::load_rows(blk, i, bo + off);
     const vi a0 = V::unpacklo32(q[0], q[1]), a1 = V::unpackhi32(q[0], q[1]);
     const vi a2 = V::unpacklo32(q[2], q[3]), a3 = V::unpackhi32(q[2], q[3]);
     t[0] = V::unpacklo64(a0, a2), t[1] = V::unpackhi64(a0, a2);
@@ -408,18 +408,18 @@ inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, fl
   vf facc[C], macc[C];
   for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk[N];
-    for (int r = 0; r < N; ++r) {
-      blk[r] = rows[r] + b * BB;
-      if (b % PF_EVERY == 0) {
-        prefetch(blk[r] + PF_AHEAD);
-        if (nxt) prefetch_l2(nxt[r] + b * BB);
+    // the rows as rows[r] + bo (an addressing mode), not as N pointers advanced a block at a time: N = 16 pointers
+    // did not fit the registers, and their stores and reloads were a third of the loop's instructions
+    const int64_t bo = b * BB;
+    if (b % PF_EVERY == 0)
+      for (int r = 0; r < N; ++r) {
+        prefetch(rows[r] + bo + PF_AHEAD);
+        if (nxt) prefetch_l2(nxt[r] + bo);
       }
-    }
     vi w[8];
-    lane_weights<V, TY>(blk, w);
+    lane_weights<V, TY>(rows, bo, w);
     vf dw, mw = V::zero_f();
-    V::halves(V::lead(blk), dw, mw, TY == Q4_1);  // the rows' scales d (and Q4_1's mins m), exact as f16_table
+    V::halves(V::lead(rows, bo), dw, mw, TY == Q4_1);  // the rows' scales d (and Q4_1's mins m), exact as f16_table
     for (int c = 0; c < C; ++c) {
       const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
       vi ch[NCH];
