@@ -256,7 +256,12 @@ class FFNRows:
 
 
 def activate(gate: torch.Tensor | None, up: torch.Tensor, act: str) -> torch.Tensor:
-    """The FFN's hidden activation from its pre-activations; gate is None for gate-less FFNs (Falcon, OPT)."""
+    """The FFN's hidden activation from its pre-activations; gate is None for gate-less FFNs (Falcon, OPT).
+    SwiGLU goes through the C++ activation where the kernels are loaded: the C++ FFNs' silu is a vector exp of their
+    own, a few ulps from torch's, and the torch-side users (pi-profile's layer by layer pass, the FFNs' torch paths)
+    must compute what they compute."""
+    if act == "silu" and gate is not None and _kernel_act(gate, up):
+        return torch.ops.pinfer.ffn_act(gate.contiguous(), up.contiguous(), qops.act_code("silu", True))
     if gate is None:
         if act == "relu":  # ReluFalcon, OPT
             return F.relu(up)
@@ -269,6 +274,11 @@ def activate(gate: torch.Tensor | None, up: torch.Tensor, act: str) -> torch.Ten
     elif act == "drelu":  # dReLU (Bamboo)
         return F.relu(gate) * F.relu(up)
     raise ValueError(f"unknown FFN activation {act!r} {'with' if gate is not None else 'without'} a gate")
+
+
+def _kernel_act(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return (gate.dtype == up.dtype == torch.float32 and gate.device.type == up.device.type == "cpu"
+            and qops.available())
 
 
 def _activate(w: FFNWeights, a: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,6 +39,9 @@
 // predict_active(Tensor x, Tensor fc1, Tensor fc2_t, float threshold, Tensor? always) -> Tensor
 //     fp32 fc1 [r, d] and fc2_t [r, n_ff]: qpredict_active with fc2_transposed.
 // rms_norm(Tensor x, Tensor w, float eps) -> Tensor              x [T, d], w [d]
+// ffn_act(Tensor? g, Tensor u, int act, Tensor? up_bias=None) -> Tensor
+//     The FFN's hidden activation h = act(g, u + up_bias) as the C++ FFNs compute it (step.cpp ffn_act_rows), any
+//     shape [..., n]; act as qffn_sparse's (0-2 with a gate g, 3-4 without).
 // layer_norm(Tensor x, Tensor w, Tensor? b, float eps) -> Tensor x [T, d], w, b [d]
 // attend_decode(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head,
 //               int n_head_kv, float scale, bool neox=False) -> Tensor
@@ -265,6 +268,27 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor y = at::empty_like(x);
   rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), x.size(0), x.size(1), (float)eps, y.data_ptr<float>());
   return y;
+}
+
+at::Tensor ffn_act_op(const std::optional<at::Tensor>& g, const at::Tensor& u, int64_t act,
+                      const std::optional<at::Tensor>& up_bias) {
+  check_f32(u, "u");
+  TORCH_CHECK(act >= SWIGLU && act <= GELU_NOGATE, "act: 0..4");
+  const int64_t n = u.dim() ? u.size(-1) : 1, rows = n ? u.numel() / n : 0;
+  if (g.has_value()) {
+    check_f32(*g, "g");
+    TORCH_CHECK(g->sizes() == u.sizes(), "g and u: the same shape");
+  }
+  TORCH_CHECK(g.has_value() == (act <= DRELU), "a gate for acts 0-2 (SwiGLU, ReGLU, dReLU), none for 3-4");
+  if (up_bias.has_value()) {
+    check_f32(*up_bias, "up_bias");
+    TORCH_CHECK(up_bias->dim() == 1 && up_bias->size(0) == n, "up_bias [n]");
+  }
+  at::Tensor h = at::empty_like(u);
+  for (int64_t r = 0; r < rows; ++r)
+    ffn_act_rows((int)act, g.has_value() ? g->data_ptr<float>() + r * n : nullptr, u.data_ptr<float>() + r * n,
+                 up_bias.has_value() ? up_bias->data_ptr<float>() : nullptr, n, h.data_ptr<float>() + r * n);
+  return h;
 }
 
 at::Tensor layer_norm_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, double eps) {
@@ -750,6 +774,7 @@ TORCH_LIBRARY(PINFER_NS, m) {
   m.def("predict_active(Tensor x, Tensor fc1, Tensor fc2_t, float threshold, Tensor? always) -> Tensor",
         &predict_active_op);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm_op);
+  m.def("ffn_act(Tensor? g, Tensor u, int act, Tensor? up_bias=None) -> Tensor", &ffn_act_op);
   m.def("layer_norm(Tensor x, Tensor w, Tensor? b, float eps) -> Tensor", &layer_norm_op);
   m.def("attend_decode(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, "
         "int n_head_kv, float scale, bool neox=False) -> Tensor",

@@ -183,4 +183,24 @@ inline vf exp_nonpos(vf x) {
   return vmul(p, scale);
 }
 
+// silu(g) = g / (1 + e^-g), VW values: with e = e^-|g| (exp_nonpos, never overflowing), g / (1 + e) for g >= 0 and
+// g e / (1 + e) below. libm's expf one value at a time was ~4% of a 4-row SmolLM2 decode step (perf: the activation
+// loop after the gate and up rows); this is one pass of vector instructions.
+inline vf silu_v(vf g) {
+#if defined(PINFER_AVX512)
+  const vf e = exp_nonpos(vsub(vzero(), _mm512_abs_ps(g)));
+  const vf num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, vzero(), _CMP_GE_OQ), vmul(g, e), g);
+  return _mm512_div_ps(num, vadd(vset1(1.f), e));
+#elif defined(PINFER_AVX2)
+  const vf a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), g);
+  const vf e = exp_nonpos(vsub(vzero(), a));
+  const vf num = _mm256_blendv_ps(vmul(g, e), g, _mm256_cmp_ps(g, vzero(), _CMP_GE_OQ));
+  return _mm256_div_ps(num, vadd(vset1(1.f), e));
+#else
+  const vf a = g >= 0.f ? g : -g;
+  const vf e = exp_nonpos(-a);
+  return (g >= 0.f ? g : g * e) / (1.f + e);
+#endif
+}
+
 }  // namespace pinfer

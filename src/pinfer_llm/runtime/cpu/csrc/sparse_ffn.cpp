@@ -45,7 +45,6 @@ namespace {
 constexpr int NB = 8;
 constexpr int PARTS_PER_THREAD = 4;
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 // gelu(v) = v Phi(v), written with erfc: 1 + erf(v / sqrt 2) cancels to 0 in fp32 for v < -5.5, erfc does not
 inline float gelu(float v) { return 0.5f * v * std::erfc(v * -0.70710678118654752f); }
 

@@ -15,14 +15,45 @@
 
 namespace pinfer {
 
+void silu_rows(const float* g, int64_t n, float* s) {
+  // one call site of silu_v for every value, a last partial vector padded: a value's bits do not depend on its
+  // position or on n (the sparse FFN takes its values one at a time)
+  for (int64_t i = 0; i < n; i += VW) {
+    const int64_t k = std::min<int64_t>(VW, n - i);
+    float in[VW] = {}, out[VW];
+    const float* src = g + i;
+    if (k < VW) {
+      std::copy(g + i, g + n, in);
+      src = in;
+    }
+    vstore(k < VW ? out : s + i, silu_v(vload(src)));
+    if (k < VW) std::copy(out, out + k, s + i);
+  }
+}
+
+float silu(float g) {
+  float s;
+  silu_rows(&g, 1, &s);
+  return s;
+}
+
 float ffn_act(int act, float g, float u) {
   switch (act) {
     case REGLU: return g > 0.f ? g * u : 0.f;
     case DRELU: return (g > 0.f && u > 0.f) ? g * u : 0.f;
     case RELU_NOGATE: return u > 0.f ? u : 0.f;
     case GELU_NOGATE: return 0.5f * u * std::erfc(u * -0.70710678118654752f);  // erfc: no cancellation below -5.5
-    default: return g / (1.f + std::exp(-g)) * u;  // SwiGLU
+    default: return silu(g) * u;  // SwiGLU
   }
+}
+
+void ffn_act_rows(int act, const float* g, const float* u, const float* up_bias, int64_t n, float* h) {
+  if (act == SWIGLU) {  // ffn_act's bits, the silu of the whole row at once
+    silu_rows(g, n, h);
+    for (int64_t i = 0; i < n; ++i) h[i] *= up_bias ? u[i] + up_bias[i] : u[i];
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) h[i] = ffn_act(act, g ? g[i] : 0.f, up_bias ? u[i] + up_bias[i] : u[i]);
 }
 
 void ffn_mm(const float* x, int64_t T, int64_t d, const Mat& gate, const Mat& up, const Mat& down, int act,
@@ -44,9 +75,7 @@ void ffn_mm(const float* x, int64_t T, int64_t d, const Mat& gate, const Mat& up
   const int64_t row = n_ff * (int64_t)ws.size();
   for (int64_t t = 0; t < T; ++t) {
     const float* g = gu.data() + t * row;
-    const float* u = g + (gated ? n_ff : 0);
-    float* ht = h.data() + t * n_ff;
-    for (int64_t i = 0; i < n_ff; ++i) ht[i] = ffn_act(act, gated ? g[i] : 0.f, up_bias ? u[i] + up_bias[i] : u[i]);
+    ffn_act_rows(act, gated ? g : nullptr, g + (gated ? n_ff : 0), up_bias, n_ff, h.data() + t * n_ff);
   }
   qmatmul(h.data(), T, n_ff, {down}, y, GEMM_MIN_T);
 }
@@ -381,10 +410,8 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
           dot_rows(L.up.type, rows.data(), k, acts, u, k);
         }
         for (int64_t t = 0; t < T; ++t)
-          for (int64_t i = b; i < e; ++i) {
-            const float gi = gated ? g[t * k + i - b] : 0.f, ui = u[t * k + i - b];
-            hbuf[t * nf + i] = ffn_act(L.act, gi, L.up_bias ? ui + L.up_bias[i] : ui);
-          }
+          ffn_act_rows(L.act, gated ? g + t * k : nullptr, u + t * k, L.up_bias ? L.up_bias + b : nullptr, k,
+                       hbuf + t * nf + b);
         bar.wait();
         acts.prepare(hbuf, T, nf, nf, is_block(L.down.type));
         share(d, p, P, 8, b, e);
