@@ -55,6 +55,10 @@ def files(tmp_path_factory):
                                                   n_head_kv=2 if variant != "opt" else 4, vocab="bytes",
                                                   variant=variant, sparsity=0.7, seed=3))
     out["falcon-7b"] = out["falcon"]
+    # 32-wide heads: the team step's heads are whole q8 blocks there, quantised by the threads that attend them
+    out["llama-d32"] = d / "llama-d32.gguf"
+    synth.generate(out["llama-d32"], synth.SynthSpec(n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2,
+                                                     vocab="bytes", variant="relu", sparsity=0.7, seed=4))
     return out
 
 
@@ -279,10 +283,24 @@ def test_the_team_step_is_the_bits_of_the_forked_step(files, arch, threads, mode
     the barrier between the key/value write and the heads that read it removed (all 12 then); every row's heads at
     the first row's position (12); the sparse parts' sums not added (34 of 48); the predictor's outlier neurons
     (`always`) dropped (the 12 predictor cases); the barrier after the sparse parts removed (34 of 48)."""
+    team_equals_forked(files, arch, threads, mode, TYPES)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["ffn_down", "pred"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_team_step_shares_whole_q8_blocks(files, threads, mode):
+    """Heads of 32 values: each thread quantises the q8 blocks of the heads it attended and of the neurons it
+    activated, once for the team, where every thread quantised the whole rows for itself. Plants (each seen failing,
+    then restored): the last block of a thread's heads, or of its neurons, left unquantised."""
+    team_equals_forked(files, "llama-d32", threads, mode, [T.Q4_0, T.Q4_1, T.Q8_0])
+
+
+def team_equals_forked(files, arch: str, threads: int, mode: str, types) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for qtype in TYPES:
+        for qtype in types:
             m = model(files, arch, qtype, "dense" if mode == "ffn_down" else mode,
                       kv="f32" if qtype == T.Q8_0 else "f16", ffn_down=mode == "ffn_down")
             tr = m.transformer

@@ -181,6 +181,15 @@ void Acts::prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool n
   }
 }
 
+void Acts::attach(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, const Q8Acts* shared) {
+  x = x_, T = T_, n = n_, ldx = ldx_;
+  f.resize(T);
+  for (int64_t t = 0; t < T; ++t) f[t] = x + t * ldx;
+  q.clear();
+  if (shared)
+    for (int64_t t = 0; t < T; ++t) q.push_back(shared->tok(t));
+}
+
 void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
               const uint8_t* const* next, int64_t n_next) {
   if (n > 0 && a.T > 0) PINFER_BY_TYPE(type, dot_rows_t, rows, n, a, out, ostride, next, n_next)

@@ -35,6 +35,9 @@ struct Acts {
   std::vector<Q8> q;  // per token views into q8
   std::vector<const float*> f;  // per token pointers into x
   void prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool need_q8);
+  // prepare's views over blocks someone else quantised: shared (shape()d for T tokens, its first n / 32 blocks of
+  // each filled), or none
+  void attach(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, const Q8Acts* shared);
 };
 // out[t * ostride + i] = rows[i] . token t, for n rows of one type (any count; T any), on the calling thread.
 // Rows are streamed several side by side (see dot.cpp); next[0..n_next) are rows the caller reads after these (any

@@ -193,6 +193,19 @@ struct Q8Acts {
   Q8 tok(int64_t t) const {
     return {qs.data() + t * nb * QK, d.data() + t * nb, s.data() + t * nb, bsum.data() + t * nb};
   }
+  // Room for T tokens of nb blocks, filled block range by block range (quantize_blocks) by several threads at once
+  void shape(int64_t T_, int64_t nb_) {
+    T = T_, nb = nb_;
+    qs.resize(T * nb * QK), d.resize(T * nb), s.resize(T * nb), bsum.resize(T * nb);
+  }
+  // token t's blocks [b0, b1) of x (that token's row): quantize's bits for them
+  void quantize_blocks(const float* x, int64_t t, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t i = t * nb + b;
+      quantize_block(x + b * QK, qs.data() + i * QK, &d[i], &bsum[i]);
+      s[i] = d[i] * (float)bsum[i];
+    }
+  }
 };
 
 // --- integer dot-product tiles: rows x C tokens of q8 activations ---------------------------------------------------

@@ -295,6 +295,13 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
   FFN sf;
   SparseRun run;
   SpinBarrier bar;
+  // the q8 blocks of the output projection's input (the heads) and of ffn_down's (the activations), shared: each
+  // thread quantises the blocks of the heads or neurons it computed, before the barrier that every thread passes
+  // before reading them (each thread quantised all of them for itself: ~3% of a 4-row SmolLM2 step, perf)
+  Q8Acts heads_q8, h_q8;
+  const bool share_heads_q8 = D % QK == 0;
+  heads_q8.shape(T, hd / QK);
+  h_q8.shape(T, n_ff / QK);
   run_team([&](int p, int P) {
     bar.n.store(P, std::memory_order_relaxed);  // every thread stores the same P before its first wait
     // this thread's own: normed inputs, q8 activations, its neurons' gate and up sums, its rows of ffn_down
@@ -336,10 +343,14 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
         else
           attend_heads<float>(q + t * hd, (const float*)c.k[l], (const float*)c.v[l], L.ctx, D, pos[t], H, Hkv,
                               s.scale, h0, h1, heads + t * hd);
+        if (share_heads_q8 && need_q8(L.wo)) heads_q8.quantize_blocks(heads + t * hd, t, h0 * D / QK, h1 * D / QK);
       }
       bar.wait();
       // output projection and residual, y = x + attention, for this thread's rows
-      acts.prepare(heads, T, hd, hd, need_q8(L.wo));
+      if (share_heads_q8)
+        acts.attach(heads, T, hd, hd, need_q8(L.wo) ? &heads_q8 : nullptr);
+      else
+        acts.prepare(heads, T, hd, hd, need_q8(L.wo));
       share(d, p, P, 8, b, e);
       rows_part(acts, L.wo, b, e, y, d);
       for (int64_t t = 0; t < T; ++t)
@@ -395,8 +406,9 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
         if (p == 0) active[l] += L.kind == FFN_PRED ? predicted : sparse_end(run);
       } else {  // ffn_down: this thread's neurons' gate and up rows and activations, then its rows of ffn_down
         acts.prepare(xin, T, d, d, is_block(L.up.type) || (gated && is_block(L.gate.type)));
-        share(nf, p, P, 8, b, e);
+        share(nf, p, P, QK, b, e);  // whole q8 blocks of the activations
         const int64_t k = e - b;
+        const bool q8_down = is_block(L.down.type) && nf % QK == 0;
         gu.resize(2 * T * k);
         float *g = gu.data(), *u = g + T * k;
         if (k > 0) {
@@ -409,11 +421,16 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
           for (int64_t i = b; i < e; ++i) rows[i - b] = L.up.row(i);
           dot_rows(L.up.type, rows.data(), k, acts, u, k);
         }
-        for (int64_t t = 0; t < T; ++t)
+        for (int64_t t = 0; t < T; ++t) {
           ffn_act_rows(L.act, gated ? g + t * k : nullptr, u + t * k, L.up_bias ? L.up_bias + b : nullptr, k,
                        hbuf + t * nf + b);
+          if (q8_down) h_q8.quantize_blocks(hbuf + t * nf, t, b / QK, e / QK);
+        }
         bar.wait();
-        acts.prepare(hbuf, T, nf, nf, is_block(L.down.type));
+        if (q8_down || !is_block(L.down.type))
+          acts.attach(hbuf, T, nf, nf, q8_down ? &h_q8 : nullptr);
+        else
+          acts.prepare(hbuf, T, nf, nf, true);
         share(d, p, P, 8, b, e);
         rows_part(acts, {L.down}, b, e, fo.data(), d);
         if (p == 0) active[l] += nf * T;
