@@ -54,6 +54,7 @@ struct Walk {
   float* acc;  // this part's [T, d] partial sums
   const bool gated, gate_first;
   std::vector<float> gb, pend_v, uv, hv;  // [T, NB] each
+  std::vector<float> sg, sv;  // SwiGLU: [T, NB] each, the silu of gb (group) and of pend_v (flush)
   std::vector<float> mb;  // block-type down rows: [T, d / 32] per-block offset sums, added to acc at the end
   int64_t pend[NB];
   int n_pend = 0;
@@ -64,29 +65,33 @@ struct Walk {
   Walk(const FFN& f_, const Acts& a_, float* acc_)
       : f(f_), a(a_), acc(acc_), gated(f_.act <= DRELU),
         gate_first(f_.act == REGLU || f_.act == DRELU || (f_.act == SWIGLU && f_.cats > 0.f)),
-        gb(f_.T * NB), pend_v(f_.T * NB), uv(f_.T * NB), hv(f_.T * NB),
+        gb(f_.T * NB), pend_v(f_.T * NB), uv(f_.T * NB), hv(f_.T * NB), sg(f_.act == SWIGLU ? f_.T * NB : 0),
+        sv(f_.act == SWIGLU ? f_.T * NB : 0),
         mb(is_block(f_.down_t.type) ? f_.T * (f_.d / QK) : 0, 0.f) {}
 
   int64_t id(int64_t j) const { return f.idx ? f.idx[j] : j; }
   bool on(int64_t t, int64_t j) const { return f.mask == nullptr || f.mask[t * f.mask_stride + j]; }
   float bias(int64_t j) const { return f.up_bias ? f.up_bias[id(j)] : 0.f; }
 
-  // can this gate value give a nonzero activation (the up value unknown yet)?
-  bool gate_passes(float g) const {
+  // can this gate value give a nonzero activation (the up value unknown yet)? s: SwiGLU's silu(g)
+  bool gate_passes(float g, float s) const {
     if (f.act == REGLU || f.act == DRELU) return g > 0.f;
-    if (f.act == SWIGLU && f.cats > 0.f) return std::fabs(silu(g)) > f.cats;
+    if (f.act == SWIGLU && f.cats > 0.f) return std::fabs(s) > f.cats;
     return true;
   }
-  float activate(float g, float u) const {
+  // SwiGLU's silu of T rows of n gate values (stride NB) into out, a row at a time (one vector pass: silu_rows)
+  void silu_of(const float* g, int n, float* out) const {
+    for (int64_t t = 0; t < f.T; ++t) silu_rows(g + t * NB, n, out + t * NB);
+  }
+  // act(g, u); s: SwiGLU's silu(g)
+  float activate(float g, float u, float s = 0.f) const {
     switch (f.act) {
       case REGLU: return g > 0.f ? g * u : 0.f;
       case DRELU: return (g > 0.f && u > 0.f) ? g * u : 0.f;
       case RELU_NOGATE: return u > 0.f ? u : 0.f;
       case GELU_NOGATE: return gelu(u);
-      default: {
-        const float s = silu(g);
+      default:
         return (f.cats > 0.f && std::fabs(s) <= f.cats) ? 0.f : s * u;
-      }
     }
   }
 
@@ -102,9 +107,12 @@ struct Walk {
         down[r] = f.down_t.row(id(pend[r]));
       }
       dot_rows(f.up.type, rows, n_pend, a, uv.data(), NB, down, n_pend);
+      if (f.act == SWIGLU) silu_of(pend_v.data(), n_pend, sv.data());
       for (int64_t t = 0; t < T; ++t)
         for (int r = 0; r < n_pend; ++r)
-          hv[t * NB + r] = on(t, pend[r]) ? activate(pend_v[t * NB + r], uv[t * NB + r] + bias(pend[r])) : 0.f;
+          hv[t * NB + r] = on(t, pend[r]) ? activate(pend_v[t * NB + r], uv[t * NB + r] + bias(pend[r]),
+                                                     sv.empty() ? 0.f : sv[t * NB + r])
+                                          : 0.f;
     } else {
       for (int64_t t = 0; t < T; ++t)
         for (int r = 0; r < n_pend; ++r) hv[t * NB + r] = pend_v[t * NB + r];
@@ -146,11 +154,14 @@ struct Walk {
     if (all_live)
       for (int r = 0; r < n; ++r) ups[r] = f.up.row(id(j0 + r));
     dot_rows(first.type, rows, n, a, gb.data(), NB, all_live ? ups : upcoming, all_live ? n : n_upcoming);
+    const bool cats = f.act == SWIGLU && f.cats > 0.f;
+    if (cats) silu_of(gb.data(), n, sg.data());
     for (int r = 0; r < n; ++r) {
       const int64_t j = j0 + r;
       bool live = false;
       if (gated) {
-        for (int64_t t = 0; t < T; ++t) live |= on(t, j) && (!gate_first || gate_passes(gb[t * NB + r]));
+        for (int64_t t = 0; t < T; ++t)
+          live |= on(t, j) && (!gate_first || gate_passes(gb[t * NB + r], cats ? sg[t * NB + r] : 0.f));
       } else {  // gate-less: the activation itself, masked; ReLU's zeros never read the down row
         const float bj = bias(j);
         for (int64_t t = 0; t < T; ++t) {
