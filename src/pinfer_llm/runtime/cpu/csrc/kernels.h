@@ -175,12 +175,12 @@ void layer_norm(const float* x, const float* w, const float* b, int64_t T, int64
 
 // --- step.cpp --------------------------------------------------------------------------------------------------------
 // The FFN's hidden activation from a neuron's pre-activations (gate g, up u with its bias): the one definition the
-// dense FFN (ffn_mm) and the decode step use.
+// dense FFN (ffn_mm), the decode step and the sparse FFN use.
 float ffn_act(int act, float g, float u);
 // ffn_act over a row of n neurons: h[i] = ffn_act(act, g[i], u[i] + up_bias[i]) (g, up_bias may be null)
 void ffn_act_rows(int act, const float* g, const float* u, const float* up_bias, int64_t n, float* h);
-// silu(g) = g / (1 + e^-g) (simd.h silu_v), the same bits one value at a time (silu) or a row at once (silu_rows)
-float silu(float g);
+// silu(g) = g / (1 + e^-g) of n values (simd.h silu_v): a value's bits do not depend on n or its position (SwiGLU's
+// ffn_act takes one value at a time, ffn_act_rows a row)
 void silu_rows(const float* g, int64_t n, float* s);
 // The dense FFN over a file's gate/up and ffn_down [d, n_ff]: qmatmul(x, [gate, up]), act, qmatmul(h, [down]).
 // x [T, d], y [T, d] (overwritten). gate.p == nullptr for gate-less activations; up_bias [n_ff] or nullptr.

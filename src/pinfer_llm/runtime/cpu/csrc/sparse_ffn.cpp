@@ -45,9 +45,6 @@ namespace {
 constexpr int NB = 8;
 constexpr int PARTS_PER_THREAD = 4;
 
-// gelu(v) = v Phi(v), written with erfc: 1 + erf(v / sqrt 2) cancels to 0 in fp32 for v < -5.5, erfc does not
-inline float gelu(float v) { return 0.5f * v * std::erfc(v * -0.70710678118654752f); }
-
 struct Walk {
   const FFN& f;
   const Acts& a;
@@ -83,16 +80,10 @@ struct Walk {
   void silu_of(const float* g, int n, float* out) const {
     for (int64_t t = 0; t < f.T; ++t) silu_rows(g + t * NB, n, out + t * NB);
   }
-  // act(g, u); s: SwiGLU's silu(g)
+  // act(g, u), the dense FFN's (ffn_act); s: SwiGLU's silu(g), computed a row at a time (silu_of), and its CATS cut
   float activate(float g, float u, float s = 0.f) const {
-    switch (f.act) {
-      case REGLU: return g > 0.f ? g * u : 0.f;
-      case DRELU: return (g > 0.f && u > 0.f) ? g * u : 0.f;
-      case RELU_NOGATE: return u > 0.f ? u : 0.f;
-      case GELU_NOGATE: return gelu(u);
-      default:
-        return (f.cats > 0.f && std::fabs(s) <= f.cats) ? 0.f : s * u;
-    }
+    if (f.act != SWIGLU) return ffn_act(f.act, g, u);
+    return (f.cats > 0.f && std::fabs(s) <= f.cats) ? 0.f : s * u;
   }
 
   // the queued neurons: (gated) up rows and activations, then the down rows of those with a nonzero activation

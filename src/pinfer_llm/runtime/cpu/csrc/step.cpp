@@ -31,11 +31,15 @@ void silu_rows(const float* g, int64_t n, float* s) {
   }
 }
 
+namespace {
+
 float silu(float g) {
   float s;
   silu_rows(&g, 1, &s);
   return s;
 }
+
+}  // namespace
 
 float ffn_act(int act, float g, float u) {
   switch (act) {
