@@ -100,6 +100,9 @@ struct FFN {
   int64_t k = 0;
   const bool* mask = nullptr;  // [T, k] with row stride mask_stride, or nullptr
   int64_t mask_stride = 0;
+  // with a mask, optionally: [T] each row's ascending neuron ids, exactly those its mask row selects (a batch's parts
+  // then find a row's neurons by binary search instead of a pass over the mask)
+  const std::vector<int64_t>* rows = nullptr;
   int act = SWIGLU;
   const float* up_bias = nullptr;  // [n_ff] or nullptr
   float cats = 0.f;  // SwiGLU: h = 0 where |silu(g)| <= cats (when > 0)

@@ -50,21 +50,27 @@ struct Walk {
   const Acts& a;
   float* acc;  // this part's [T, d] partial sums
   const bool gated, gate_first;
-  std::vector<float> gb, pend_v, uv, hv;  // [T, NB] each
-  std::vector<float> sg, sv;  // SwiGLU: [T, NB] each, the silu of gb (group) and of pend_v (flush)
-  std::vector<float> mb;  // block-type down rows: [T, d / 32] per-block offset sums, added to acc at the end
+  // in the caller's arena (reused from part to part: no allocation per walk): [T, NB] each, sg / sv SwiGLU's silu of
+  // gb (group) and of pend_v (flush), else null; mb for block-type down rows, [T, d / 32] per-block offset sums
+  // (zeroed here), added to acc at the end, else null
+  float *gb, *pend_v, *uv, *hv, *sg = nullptr, *sv = nullptr, *mb = nullptr;
   int64_t pend[NB];
   int n_pend = 0;
   const uint8_t* upcoming[NB];  // the first rows of the next group: prefetched while the down rows are added
   int n_upcoming = 0;
   int64_t nonzero = 0;
 
-  Walk(const FFN& f_, const Acts& a_, float* acc_)
+  Walk(const FFN& f_, const Acts& a_, float* acc_, std::vector<float>& arena)
       : f(f_), a(a_), acc(acc_), gated(f_.act <= DRELU),
-        gate_first(f_.act == REGLU || f_.act == DRELU || (f_.act == SWIGLU && f_.cats > 0.f)),
-        gb(f_.T * NB), pend_v(f_.T * NB), uv(f_.T * NB), hv(f_.T * NB), sg(f_.act == SWIGLU ? f_.T * NB : 0),
-        sv(f_.act == SWIGLU ? f_.T * NB : 0),
-        mb(is_block(f_.down_t.type) ? f_.T * (f_.d / QK) : 0, 0.f) {}
+        gate_first(f_.act == REGLU || f_.act == DRELU || (f_.act == SWIGLU && f_.cats > 0.f)) {
+    const int64_t tn = f.T * NB, nmb = is_block(f.down_t.type) ? f.T * (f.d / QK) : 0;
+    const bool swiglu = f.act == SWIGLU;
+    arena.resize(4 * tn + (swiglu ? 2 * tn : 0) + nmb);
+    float* p = arena.data();
+    gb = p, pend_v = p + tn, uv = p + 2 * tn, hv = p + 3 * tn, p += 4 * tn;
+    if (swiglu) sg = p, sv = p + tn, p += 2 * tn;
+    if (nmb) mb = p, std::fill(mb, mb + nmb, 0.f);
+  }
 
   int64_t id(int64_t j) const { return f.idx ? f.idx[j] : j; }
   bool on(int64_t t, int64_t j) const { return f.mask == nullptr || f.mask[t * f.mask_stride + j]; }
@@ -97,12 +103,12 @@ struct Walk {
         rows[r] = f.up.row(id(pend[r]));
         down[r] = f.down_t.row(id(pend[r]));
       }
-      dot_rows(f.up.type, rows, n_pend, a, uv.data(), NB, down, n_pend);
-      if (f.act == SWIGLU) silu_of(pend_v.data(), n_pend, sv.data());
+      dot_rows(f.up.type, rows, n_pend, a, uv, NB, down, n_pend);
+      if (f.act == SWIGLU) silu_of(pend_v, n_pend, sv);
       for (int64_t t = 0; t < T; ++t)
         for (int r = 0; r < n_pend; ++r)
           hv[t * NB + r] = on(t, pend[r]) ? activate(pend_v[t * NB + r], uv[t * NB + r] + bias(pend[r]),
-                                                     sv.empty() ? 0.f : sv[t * NB + r])
+                                                     sv ? sv[t * NB + r] : 0.f)
                                           : 0.f;
     } else {
       for (int64_t t = 0; t < T; ++t)
@@ -118,8 +124,7 @@ struct Walk {
       for (int64_t t = 0; t < T; ++t) hv[t * NB + n] = hv[t * NB + r];
       rows[n++] = f.down_t.row(id(pend[r]));
     }
-    axpy_rows(f.down_t.type, rows, n, hv.data(), NB, T, acc, f.d, 0, f.d, upcoming, n_upcoming,
-              mb.empty() ? nullptr : mb.data(), f.d / QK);
+    axpy_rows(f.down_t.type, rows, n, hv, NB, T, acc, f.d, 0, f.d, upcoming, n_upcoming, mb, f.d / QK);
     n_pend = 0;
   }
 
@@ -144,9 +149,9 @@ struct Walk {
     const bool all_live = gated && !gate_first;
     if (all_live)
       for (int r = 0; r < n; ++r) ups[r] = f.up.row(id(j0 + r));
-    dot_rows(first.type, rows, n, a, gb.data(), NB, all_live ? ups : upcoming, all_live ? n : n_upcoming);
+    dot_rows(first.type, rows, n, a, gb, NB, all_live ? ups : upcoming, all_live ? n : n_upcoming);
     const bool cats = f.act == SWIGLU && f.cats > 0.f;
-    if (cats) silu_of(gb.data(), n, sg.data());
+    if (cats) silu_of(gb, n, sg);
     for (int r = 0; r < n; ++r) {
       const int64_t j = j0 + r;
       bool live = false;
@@ -168,7 +173,7 @@ struct Walk {
   // after the last group: the queued neurons, then the block offsets into acc
   void finish() {
     flush();
-    if (mb.empty()) return;
+    if (!mb) return;
     const int64_t T = f.T, nb = f.d / QK;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t o = 0; o < f.d; ++o) acc[t * f.d + o] += mb[t * nb + o / QK];
@@ -180,6 +185,12 @@ struct Walk {
   }
 };
 
+// one row's neurons in a part's run: n ascending ids from p
+struct Span {
+  const int64_t* p;
+  int64_t n;
+};
+
 // A batch whose rows are masked to few of the union's neurons (each row its own, as a batch of requests or a prompt
 // chunk under predictors is): the all-token walk would compute every row on every neuron of the union and drop most.
 // Instead one one-token walk per row over its own neurons of the run [b, e), which is the walk its decode step takes
@@ -188,26 +199,31 @@ struct Walk {
 // Returns the nonzero (token, neuron) pairs; acc [T, d] zeroed.
 constexpr int64_t WIN = 32;
 
-int64_t by_rows(const FFN& f, const std::vector<Acts>& one, const std::vector<std::vector<int64_t>>& own, int64_t b,
-                int64_t e, float* acc) {
+int64_t by_rows(const FFN& f, const std::vector<Acts>& one, const Span* own, int64_t b, int64_t e, float* acc) {
   const int64_t T = f.T, d = f.d;
-  std::vector<FFN> ft(T, f);
-  std::vector<Walk> walks;
+  // reused from part to part (a part's walks allocated ~7 vectors each: ~2% of a planted 4-row step in malloc/free)
+  thread_local std::vector<FFN> ft;
+  thread_local std::vector<std::vector<float>> arenas;
+  thread_local std::vector<Walk> walks;
+  thread_local std::vector<int64_t> at;  // each row's next position in its own list
+  ft.assign(T, f);
+  if ((int64_t)arenas.size() < T) arenas.resize(T);
+  walks.clear();
   walks.reserve(T);
   for (int64_t t = 0; t < T; ++t) {
-    ft[t].x = f.x + t * d, ft[t].T = 1, ft[t].idx = own[t].data(), ft[t].k = (int64_t)own[t].size();
-    ft[t].mask = nullptr, ft[t].mask_stride = 0;
-    walks.emplace_back(ft[t], one[t], acc + t * d);
+    ft[t].x = f.x + t * d, ft[t].T = 1, ft[t].idx = own[t].p, ft[t].k = own[t].n;
+    ft[t].mask = nullptr, ft[t].mask_stride = 0, ft[t].rows = nullptr;
+    walks.emplace_back(ft[t], one[t], acc + t * d, arenas[t]);
   }
-  std::vector<int64_t> at(T, 0);  // each row's next position in its own list
+  at.assign(T, 0);
   for (int64_t w = b; w < e; w += WIN) {
     // this window's groups: those whose last neuron comes before the next window's first (at the end: all left)
     const int64_t stop = w + WIN < e ? (f.idx ? f.idx[w + WIN] : w + WIN) : INT64_MAX;
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t k = (int64_t)own[t].size();
+      const int64_t k = own[t].n;
       while (at[t] < k) {
         const int n = (int)std::min<int64_t>(NB, k - at[t]);
-        if (own[t][at[t] + n - 1] >= stop) break;
+        if (own[t].p[at[t] + n - 1] >= stop) break;
         walks[t].group(at[t], n, k);
         at[t] += n;
       }
@@ -218,6 +234,7 @@ int64_t by_rows(const FFN& f, const std::vector<Acts>& one, const std::vector<st
     w.finish();
     nonzero += w.nonzero;
   }
+  walks.clear();
   return nonzero;
 }
 
@@ -225,17 +242,33 @@ int64_t by_rows(const FFN& f, const std::vector<Acts>& one, const std::vector<st
 // the (token, neuron) pairs, else one walk for every token; either gives each row the same bits
 int64_t run_part(const FFN& f, const Acts& a, const std::vector<Acts>& one, int64_t b, int64_t e, float* acc) {
   if (!one.empty()) {
-    std::vector<std::vector<int64_t>> own(f.T);
+    thread_local std::vector<Span> own;
+    own.resize(f.T);
     int64_t pairs = 0;
-    for (int64_t t = 0; t < f.T; ++t) {
-      const bool* m = f.mask + t * f.mask_stride;
-      for (int64_t j = b; j < e; ++j)
-        if (m[j]) own[t].push_back(f.idx ? f.idx[j] : j);
-      pairs += (int64_t)own[t].size();
+    if (f.rows) {  // each row's ids within the run's, by binary search in its list (no pass over the mask)
+      const int64_t lo = f.idx ? f.idx[b] : b, hi = f.idx ? f.idx[e - 1] : e - 1;
+      for (int64_t t = 0; t < f.T; ++t) {
+        const std::vector<int64_t>& r = f.rows[t];
+        const auto p0 = std::lower_bound(r.begin(), r.end(), lo), p1 = std::upper_bound(p0, r.end(), hi);
+        own[t] = {r.data() + (p0 - r.begin()), (int64_t)(p1 - p0)};
+        pairs += own[t].n;
+      }
+    } else {
+      thread_local std::vector<std::vector<int64_t>> ids;
+      if ((int64_t)ids.size() < f.T) ids.resize(f.T);
+      for (int64_t t = 0; t < f.T; ++t) {
+        const bool* m = f.mask + t * f.mask_stride;
+        ids[t].clear();
+        for (int64_t j = b; j < e; ++j)
+          if (m[j]) ids[t].push_back(f.idx ? f.idx[j] : j);
+        own[t] = {ids[t].data(), (int64_t)ids[t].size()};
+        pairs += own[t].n;
+      }
     }
-    if (2 * pairs < f.T * (e - b)) return by_rows(f, one, own, b, e, acc);
+    if (2 * pairs < f.T * (e - b)) return by_rows(f, one, own.data(), b, e, acc);
   }
-  Walk w(f, a, acc);
+  thread_local std::vector<float> arena;
+  Walk w(f, a, acc, arena);
   w.run(b, e);
   return w.nonzero;
 }

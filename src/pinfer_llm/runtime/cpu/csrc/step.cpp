@@ -177,7 +177,7 @@ int64_t ffn_rows(const LayerStep& L, int64_t d, int64_t T, const float* xf, cons
     std::fill(f, f + T * d, 0.f);
     return 0;
   }
-  q.idx = uni.data(), q.k = k, q.mask = mask.get(), q.mask_stride = k;
+  q.idx = uni.data(), q.k = k, q.mask = mask.get(), q.mask_stride = k, q.rows = own.data();
   ffn_sparse(q, f);
   return count;  // the predictors' counts, as ffn_one's
 }
@@ -394,7 +394,7 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
             }
             if (T > 1) {
               union_mask(row_own, idx, mask);
-              sf.mask = mask.get(), sf.mask_stride = (int64_t)idx.size();
+              sf.mask = mask.get(), sf.mask_stride = (int64_t)idx.size(), sf.rows = row_own.data();
             } else {
               idx.swap(row_own[0]);
             }
