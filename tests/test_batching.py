@@ -167,8 +167,9 @@ def test_cancelled_sequence_leaves_and_others_go_on(model, refs):
 
 
 def test_a_sequence_whose_logits_are_not_finite_fails_alone(model, refs, monkeypatch):
-    """NaN in one sequence's logits (from its third token on) ends it with the corrupt-weights error; the others
-    answer as alone. And pi-run's loop (Model.generate) refuses the same logits."""
+    """NaN in one sequence's logits (from its third token on: a NaN put into its KV cache, so that the kernels
+    compute them, as corrupt values would reach them) ends it with the corrupt-weights error; the others answer as
+    alone. And pi-run's loop (Model.generate) refuses the same logits."""
     b = Batch(model, 4)
     seqs = [seq(p) for p in PROMPTS]
     for s in seqs:
@@ -176,11 +177,9 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(model, refs, monkeyp
     real_rows, real_forward = model.run_rows, model.transformer.forward
 
     def poisoned_rows(ids, pos, caches, out_rows, launch=None):
-        logits = real_rows(ids, pos, caches, out_rows, launch).clone()
-        for li, i in enumerate(out_rows):
-            if caches[i] is seqs[1].slot.cache and pos[i] >= len(PROMPTS[1]) + 1:
-                logits[li, 5] = float("nan")
-        return logits
+        if len(seqs[1].tokens) == 2:
+            seqs[1].slot.cache.v[0][:, 0, :] = float("nan")
+        return real_rows(ids, pos, caches, out_rows, launch)
 
     monkeypatch.setattr(model, "run_rows", poisoned_rows)
     while b.active:
@@ -189,17 +188,19 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(model, refs, monkeyp
     assert len(seqs[1].tokens) == 2
     assert [seqs[i].tokens for i in (0, 2, 3)] == [refs[i] for i in (0, 2, 3)]
 
-    def poisoned_forward(*a, **kw):
-        logits = real_forward(*a, **kw).clone()
-        logits[:, 7] = float("inf")
-        return logits
+    def poisoned_forward(tokens, pos, *a, **kw):
+        if pos > 0:  # a decode step: the prompt's first value row, which every position reads, made inf
+            model.transformer.cache.v[0][:, 0, :] = float("inf")
+        return real_forward(tokens, pos, *a, **kw)
 
     monkeypatch.setattr(model.transformer, "forward", poisoned_forward)
     got = []
     with pytest.raises(PinferError, match="not finite"):
         for tok in model.generate(PROMPTS[0], max_tokens=N, temperature=0.0, stop_ids=set()):
             got.append(tok)
-    assert got == []  # the prompt's own logits are refused: nothing was sampled from them
+    assert got == refs[0][:1]  # the prompt's token; the first decode step's logits are refused
+    model.cached_ids = []  # the model's cache holds an inf now: no later prompt may reuse what it held
+
 
 def mixed_rows(m):
     """Four caches, each filled with a prompt; then one forward of 2 decode rows and a 3-row prompt chunk."""

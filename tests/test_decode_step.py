@@ -303,6 +303,7 @@ def team_equals_forked(files, arch: str, threads: int, mode: str, types) -> None
         for qtype in types:
             m = model(files, arch, qtype, "dense" if mode == "ffn_down" else mode,
                       kv="f32" if qtype == T.Q8_0 else "f16", ffn_down=mode == "ffn_down")
+            torch.set_num_threads(threads)  # after the load, which sets its own (2)
             tr = m.transformer
             with torch.inference_mode():
                 tr.forward(torch.tensor(PROMPT), 0)
@@ -352,3 +353,50 @@ def test_the_team_step_yields_to_a_passive_wait_policy(monkeypatch):
     assert cpu_step.team_enabled()
     monkeypatch.setenv("PINFER_DECODE_TEAM", "0")
     assert not cpu_step.team_enabled()
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_head_facts_are_the_logits_finiteness_and_first_argmax(files, threads):
+    """Transformer.head_facts: for each row of logits the step returned, whether every value is finite and the
+    index of the first largest, taken by the team's threads on their own shares (joined in share order) or by the
+    forked step; pi-run's and the batch's greedy sampling and finite checks read them instead of the row. Rows of
+    the head made equal give every logit the same value: the first index must win across the threads' shares; a
+    row of NaN makes a logit NaN. Plants (each seen failing, then restored): the later share winning ties; the
+    finite flag not joined."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for case in ("random", "equal rows", "nan row"):
+            m = model(files, "llama-swiglu", T.F32)
+            torch.set_num_threads(threads)  # after the load, which sets its own
+            tr = m.transformer
+            if case != "random":
+                w = tr.output.ws[0].dequantize().clone()
+                if case == "equal rows":
+                    w[:] = w[3]
+                else:
+                    w[w.shape[0] * 2 // 3] = float("nan")
+                tr.output.ws = [quantize_like(w, T.F32, tr.output.ws[0].name)]
+            with torch.inference_mode():
+                tr.forward(torch.tensor(PROMPT), 0)
+                st = tr.decode_step()
+                for team in (True, False):
+                    st.native.set_team(team)
+                    logits = tr.forward(torch.tensor([PROMPT[1]]), len(PROMPT))
+                    got = tr.head_facts()
+                    ok = bool(torch.isfinite(logits).all())
+                    want = [[int(ok), int(logits[0].argmax()) if ok else -1]]
+                    assert got == want, (case, team, threads)
+                    if case == "equal rows":
+                        assert got == [[1, 0]]
+                    caches = [m.new_cache() for _ in range(2)]
+                    logits = m.run_rows([3, 9, 14, 2], [0, 1, 0, 2], [caches[0], caches[0], caches[1], caches[0]],
+                                        [1, 2, 3])
+                    ok = torch.isfinite(logits).all(dim=1).tolist()
+                    want = [[int(o), int(r.argmax()) if o else -1] for o, r in zip(ok, logits, strict=True)]
+                    assert m.head_facts() == want, (case, team, threads, "rows")
+                tr.forward(torch.tensor(PROMPT[:3]), 0)  # a prefill's logits: the step did not compute them
+                assert tr.head_facts() is None
+    finally:
+        torch.set_num_threads(before)

@@ -221,6 +221,11 @@ class Model:
         logits = tr.forward(torch.tensor(list(tokens), dtype=torch.long), pos[0], all_logits=not last_only, **kw)
         return logits[:len(out_rows)] if last_only else logits[list(out_rows)]
 
+    def head_facts(self) -> list[list[int]] | None:
+        """[finite, argmax] of each row run_rows last returned, where the C++ step computed them (else None):
+        Transformer.head_facts."""
+        return self.transformer.head_facts()
+
     @torch.inference_mode()
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits for every position of a causal pass from position 0: float32 [len(ids), vocab]."""
@@ -256,6 +261,7 @@ class Model:
                                 kernels_built=old.kernels_built, prompt_tokens=len(ids), reused_tokens=reused)
         t0 = time.perf_counter()
         logits = self._prefill(tokens, all_logits=False, start=reused)[-1]
+        facts = None  # the C++ step's [finite, argmax] of the logits, when it computed them (head_facts)
         st.prompt_s = time.perf_counter() - t0
         if self.split is not None:
             self.split.reset()  # the per-token split is of decode steps
@@ -263,10 +269,10 @@ class Model:
         t0 = time.perf_counter()
         st.stop_reason = "length"
         for _ in range(max_tokens):
-            if not finite(logits):
+            if not (facts[0][0] if facts else finite(logits)):
                 raise PinferError(f"{self.file.path}: the model's weights are corrupt: the logits at position {pos} "
                                   f"are not finite (NaN or inf)")
-            tok = sample(logits, history)
+            tok = sample(logits, history, facts[0][1] if facts else None)
             history.append(tok)
             st.decode_tokens += 1
             st.decode_s = time.perf_counter() - t0
@@ -278,6 +284,7 @@ class Model:
                 st.stop_reason = "context full"
                 break
             logits = self.transformer.forward(torch.tensor([tok]), pos)[-1]
+            facts = self.transformer.head_facts()
             self.cached_ids.append(tok)
             pos += 1
         st.decode_s = time.perf_counter() - t0

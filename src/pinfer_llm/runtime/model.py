@@ -136,6 +136,7 @@ class Transformer:
         self.use_step = True
         self._rows_invariant = False  # this forward's row_invariant (read by attention)
         self._step: cpu_step.DecodeStep | None = None
+        self._facts_step: cpu_step.DecodeStep | None = None  # the step that computed the last forward's logits
         self._no_step_sig: list | None = None  # the blocks for which build() said no, not to ask again each token
 
     @property
@@ -149,8 +150,10 @@ class Transformer:
         values and logits are the same bits whether it was prefilled alone, in a chunk of any length below the
         kernels' GEMM crossover (the engine's chunking keeps to it, Model.row_invariant) or decoded."""
         self._rows_invariant = row_invariant
+        self._facts_step = None
         x = self.embed(tokens, pos)  # (T, d) float32
         if x.shape[0] == 1 and self.use_step and (step := self.decode_step()) is not None:
+            self._facts_step = step
             return step(x, pos)
         for li, b in enumerate(self.blocks):
             xf, resid, x = self.attend(li, b, x, pos)
@@ -177,10 +180,12 @@ class Transformer:
         without the GIL) instead of taking the GIL from this thread's own Python between steps."""
         if not self.batchable():
             raise PinferError("batched rows need the C++ kernels and every layer's attention on the CPU")
+        self._facts_step = None
         x = self.tok_embd(tokens)
         if self.pos_embd is not None:
             x = x + self.pos_embd(pos + C.OPT_POS_OFFSET)
         if self.use_step and (step := self.decode_step()) is not None:
+            self._facts_step = step
             return step.rows(x, pos, caches, out_rows, launch)
         if launch is not None:
             launch()
@@ -204,6 +209,13 @@ class Transformer:
                 xf, resid = self.norm(y, b.ffn_norm), y
             x = y + self.ffn(b, xf, resid)
         return self.output(self.norm(x[out_rows], self.output_norm))
+
+    def head_facts(self) -> list[list[int]] | None:
+        """[finite, argmax] of each row of the logits the last forward / forward_rows returned: 1 if every value
+        is finite, and the index of the first largest (-1 where not finite), taken by the C++ step's threads while
+        the values were in their caches (sampling.finite and a greedy sampler, fed these, never read the row); None
+        where the step did not compute them."""
+        return None if self._facts_step is None else self._facts_step.native.head_facts().tolist()
 
     def decode_step(self) -> cpu_step.DecodeStep | None:
         """The fused decode step for the blocks as they are now (rebuilt when a block's FFN or attention object was

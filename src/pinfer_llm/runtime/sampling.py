@@ -58,12 +58,15 @@ class SamplingParams:
                 raise PinferError(f"{option} must be {valid}, got {value}")
 
 
-def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, Sequence[int]], int]:
+def make_sampler(p: SamplingParams) -> Callable[..., int]:
     gen = torch.Generator()
     gen.manual_seed(p.seed if p.seed is not None else torch.seed())
 
+    def penalizes(history: Sequence[int]) -> bool:
+        return not (p.repeat_penalty == 1.0 or not history or p.repeat_last_n == 0)
+
     def penalize(logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        if p.repeat_penalty == 1.0 or not history or p.repeat_last_n == 0:
+        if not penalizes(history):
             return logits
         recent = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
         vals = logits[recent]
@@ -72,7 +75,11 @@ def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, Sequence[int]], i
         logits[recent] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
         return logits
 
-    def sample(logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+    def sample(logits: torch.Tensor, history: Sequence[int] = (), best: int | None = None) -> int:
+        """A token from logits [vocab]. best: the index of the first largest logit where the caller knows it
+        (Transformer.head_facts), what greedy sampling returns when no penalty changes the logits."""
+        if p.temperature <= 0 and best is not None and best >= 0 and not penalizes(history):
+            return best
         logits = penalize(logits.float(), history)
         if p.temperature <= 0:
             return int(np.argmax(logits.numpy()))  # the first of equal maxima, as torch.argmax

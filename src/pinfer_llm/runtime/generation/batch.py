@@ -165,7 +165,10 @@ class Batch:
                 del seq.pending[:fed[id(seq)]]
         now = time.perf_counter()
         events = []
-        ok = finite_rows(logits)
+        facts = self.m.head_facts()  # the step's [finite, argmax] per row: neither re-read from another core
+        if facts is None or len(facts) != len(out_rows):
+            facts = None
+        ok = [f[0] for f in facts] if facts else finite_rows(logits)
         for li, i in enumerate(out_rows):
             seq = rows[i][0]
             if not seq.tokens:  # its prompt is through: the first new token's logits
@@ -180,7 +183,7 @@ class Batch:
                                         f"position {seq.pos} are not finite (NaN or inf)")
                 self.finish(seq, "error")
                 continue
-            tok = seq.sample(row, seq.history)
+            tok = seq.sample(row, seq.history, facts[li][1] if facts else None)
             seq.history.append(tok)
             seq.tokens.append(tok)
             seq.stats.decode_tokens += 1

@@ -243,13 +243,29 @@ void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int
 struct SlotCache {
   std::vector<void*> k, v;
 };
-// The output head for decode_team: logits [n_rows, vocab] of the rows `rows` (normed by `norm`).
+// What a sampler first asks of a row of logits, over a run of its values: are they all finite, and the first of
+// their largest (np.argmax's index) with its value. Taken by the threads that wrote the values, while they are in
+// their caches: read by the Python side from another core, a SmolLM2 row (192 KB) cost ~0.1 ms a token (finite()
+// and a greedy argmax, pi-run), over 20x the time on values in cache.
+struct LogitFacts {
+  bool finite = true;
+  int64_t best = -1;
+  float top = 0.f;
+};
+LogitFacts logit_facts(const float* v, int64_t b, int64_t e);
+// facts of a whole row from those of consecutive runs, in order (the first of equal maxima: the earlier run's)
+LogitFacts join_facts(const LogitFacts* parts, int64_t n);
+// The output head for decode_team: logits [n_rows, vocab] of the rows `rows` (normed by `norm`); facts: each thread
+// p's facts of its share of row i's logits at facts[i * facts_stride + p] (facts_stride >= the team's threads;
+// entries of threads the team did not have are left as they were)
 struct TeamHead {
   const NormW* norm;
   const std::vector<Mat>* w;
   const int64_t* rows;
   int64_t n_rows;
   float* logits;
+  LogitFacts* facts;
+  int64_t facts_stride;
 };
 // decode_rows (T = 1: decode_layers) and then the output head, on a team of all num_threads() threads in one OpenMP
 // region: each thread takes its share of every matrix's rows, of the rows' attention heads, of a dense FFN's neurons

@@ -432,6 +432,8 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<int64_t> active;
   StepScratch sc;
   std::vector<float> xbuf, xo, xn;
+  std::vector<LogitFacts> facts, facts_parts;  // head_facts(): the last call's rows; the team's threads' parts
+  TeamHead head_args{};
   std::vector<SlotCache> slots{1};  // slot 0: the caches add_attention was given; add_cache appends others
   bool team = true;  // run, run_rows: decode_team where it applies (set_team(false): decode_layers/rows, to compare)
 
@@ -603,8 +605,9 @@ struct DecodeStep : torch::CustomClassHolder {
     xbuf.assign(x.data_ptr<float>(), x.data_ptr<float>() + T * d);
     if (team && num_threads() > 1 && team_step_applies(layers)) {
       at::Tensor logits = at::empty({out_rows.numel(), vocab}, x.options());
-      const TeamHead head{&out_norm, &out_w, o, out_rows.numel(), logits.data_ptr<float>()};
-      decode_team(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc, &head);
+      decode_team(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc,
+                  team_head(o, out_rows.numel(), logits));
+      join_team_facts(out_rows.numel());
       return logits;
     }
     decode_rows(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc);
@@ -617,6 +620,7 @@ struct DecodeStep : torch::CustomClassHolder {
       apply_norm(out_norm, xo.data(), k, d, xn.data());
       qmatmul(xn.data(), k, d, out_w, logits.data_ptr<float>(), GEMM_MIN_T);
     }
+    take_facts(logits);
     return logits;
   }
 
@@ -631,8 +635,9 @@ struct DecodeStep : torch::CustomClassHolder {
     if (team && num_threads() > 1 && team_step_applies(layers)) {
       at::Tensor logits = at::empty({1, vocab}, x.options());
       const int64_t zero = 0;
-      const TeamHead head{&out_norm, &out_w, &zero, 1, logits.data_ptr<float>()};
-      decode_team(shape, layers, slots, rope.data_ptr<float>(), 1, &pos, &zero, xbuf.data(), active.data(), sc, &head);
+      decode_team(shape, layers, slots, rope.data_ptr<float>(), 1, &pos, &zero, xbuf.data(), active.data(), sc,
+                  team_head(&zero, 1, logits));
+      join_team_facts(1);
       return logits;
     }
     decode_layers(shape, layers, 0, (int64_t)layers.size(), rp, pos, xbuf.data(), active.data(), sc);
@@ -640,7 +645,18 @@ struct DecodeStep : torch::CustomClassHolder {
     apply_norm(out_norm, xbuf.data(), 1, shape.d, xo.data());
     at::Tensor logits = at::empty({1, vocab}, x.options());
     qmatmul(xo.data(), 1, shape.d, out_w, logits.data_ptr<float>(), GEMM_MIN_T);
+    take_facts(logits);
     return logits;
+  }
+
+  // [k, 2] int64 of the last run's or run_rows' logits rows: (1 if every value is finite else 0, the index of the
+  // first largest value, -1 where not finite): what finite() and a greedy sampler read (runtime/cpu/step.py)
+  at::Tensor head_facts() {
+    const int64_t k = (int64_t)facts.size();
+    at::Tensor out = at::empty({k, 2}, at::TensorOptions().dtype(at::kLong));
+    int64_t* o = out.data_ptr<int64_t>();
+    for (int64_t i = 0; i < k; ++i) o[2 * i] = facts[i].finite, o[2 * i + 1] = facts[i].best;
+    return out;
   }
 
   // x [1, d], the residual entering layer l0 -> the residual leaving layer l1 - 1, no head: the layers an executor
@@ -673,6 +689,24 @@ struct DecodeStep : torch::CustomClassHolder {
     at::Tensor y = at::empty({1, shape.d}, xf.options());
     const int64_t nz = ffn_sparse(q, y.data_ptr<float>());
     return {y, nz};
+  }
+
+  // decode_team's head over the rows o [k] into logits, its threads' facts into facts_parts
+  const TeamHead* team_head(const int64_t* o, int64_t k, at::Tensor& logits) {
+    const int64_t nt = num_threads();
+    facts_parts.assign(k * nt, LogitFacts{});
+    head_args = TeamHead{&out_norm, &out_w, o, k, logits.data_ptr<float>(), facts_parts.data(), nt};
+    return &head_args;
+  }
+  void join_team_facts(int64_t k) {
+    const int64_t nt = num_threads();
+    facts.resize(k);
+    for (int64_t i = 0; i < k; ++i) facts[i] = join_facts(facts_parts.data() + i * nt, nt);
+  }
+  void take_facts(const at::Tensor& logits) {  // the head's logits [k, vocab], computed off the team
+    const int64_t k = logits.size(0);
+    facts.resize(k);
+    for (int64_t i = 0; i < k; ++i) facts[i] = logit_facts(logits.data_ptr<float>() + i * vocab, 0, vocab);
   }
 
   // the nonzero (token, neuron) pairs per layer since the last call (and resets them)
@@ -799,7 +833,8 @@ TORCH_LIBRARY(PINFER_NS, m) {
       .def("run_rows", &DecodeStep::run_rows)
       .def("run_layers", &DecodeStep::run_layers)
       .def("ffn_subset", &DecodeStep::ffn_subset)
-      .def("take_active", &DecodeStep::take_active);
+      .def("take_active", &DecodeStep::take_active)
+      .def("head_facts", &DecodeStep::head_facts);
   m.def("guard_map(int addr, int length, str line) -> bool", &guard_map_op);
   m.def("unguard_map(int addr) -> ()", &unguard_map_op);
   m.def("isa() -> str", &isa_op);

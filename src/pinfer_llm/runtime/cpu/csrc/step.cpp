@@ -456,7 +456,43 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
     acts.prepare(xa.data(), k, d, d, need_q8(*head->w));
     share(vocab, p, P, 8, b, e);
     rows_part(acts, *head->w, b, e, head->logits, vocab);
+    for (int64_t i = 0; i < k; ++i) head->facts[i * head->facts_stride + p] = logit_facts(head->logits + i * vocab, b, e);
   });
+}
+
+LogitFacts logit_facts(const float* v, int64_t b, int64_t e) {
+  LogitFacts f;
+  if (e <= b) return f;
+  // one pass for the largest value and finiteness (x - x is 0 for a finite x, NaN otherwise), then the first index
+  // that holds it
+  vf m = vset1(-INFINITY), z = vzero();
+  int64_t i = b;
+  for (; i + VW <= e; i += VW) {
+    const vf x = vload(v + i);
+    m = vmax(m, x), z = vadd(z, vsub(x, x));
+  }
+  float lanes[VW], zl[VW];
+  vstore(lanes, m), vstore(zl, z);
+  float top = -INFINITY, zs = 0.f;
+  for (int l = 0; l < VW; ++l) top = std::max(top, lanes[l]), zs += zl[l];
+  for (; i < e; ++i) top = std::max(top, v[i]), zs += v[i] - v[i];
+  f.finite = zs == 0.f;
+  if (!f.finite) return f;
+  for (i = b; v[i] != top; ++i) {
+  }
+  f.best = i, f.top = top;
+  return f;
+}
+
+LogitFacts join_facts(const LogitFacts* parts, int64_t n) {
+  LogitFacts f;
+  for (int64_t p = 0; p < n; ++p) {
+    const LogitFacts& q = parts[p];
+    f.finite = f.finite && q.finite;
+    if (q.best >= 0 && (f.best < 0 || q.top > f.top)) f.best = q.best, f.top = q.top;
+  }
+  if (!f.finite) f.best = -1;
+  return f;
 }
 
 void decode_rows(const StepShape& s, const std::vector<LayerStep>& layers, const std::vector<SlotCache>& slots,
