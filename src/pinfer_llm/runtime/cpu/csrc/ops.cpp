@@ -650,7 +650,7 @@ struct DecodeStep : torch::CustomClassHolder {
   }
 
   // [k, 2] int64 of the last run's or run_rows' logits rows: (1 if every value is finite else 0, the index of the
-  // first largest value, -1 where not finite): what finite() and a greedy sampler read (runtime/cpu/step.py)
+  // first largest value, -1 where not finite): what finite() and a greedy sampler read (model.py head_facts)
   at::Tensor head_facts() {
     const int64_t k = (int64_t)facts.size();
     at::Tensor out = at::empty({k, 2}, at::TensorOptions().dtype(at::kLong));

@@ -456,7 +456,8 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
     acts.prepare(xa.data(), k, d, d, need_q8(*head->w));
     share(vocab, p, P, 8, b, e);
     rows_part(acts, *head->w, b, e, head->logits, vocab);
-    for (int64_t i = 0; i < k; ++i) head->facts[i * head->facts_stride + p] = logit_facts(head->logits + i * vocab, b, e);
+    for (int64_t i = 0; i < k; ++i)
+      head->facts[i * head->facts_stride + p] = logit_facts(head->logits + i * vocab, b, e);
   });
 }
 
