@@ -154,10 +154,7 @@ void attend_group(const float* q, int64_t C, const KV* kh_, const KV* vh_, int64
       vstore(pc + t, sv);
       vmx = vmax(vmx, sv);
     }
-    float lanes[VW];
-    vstore(lanes, vmx);
-    float mx = -INFINITY;
-    for (int i = 0; i < VW; ++i) mx = std::max(mx, lanes[i]);
+    float mx = vmax_lanes(vmx);
     for (; t < n; ++t) {
       pc[t] *= scale;
       mx = std::max(mx, pc[t]);

@@ -171,14 +171,8 @@ void dequant_rows_t(const Mat& w, const int64_t* ids, int64_t n, float* out) {
   }
 
 void Acts::prepare(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, bool need_q8) {
-  x = x_, T = T_, n = n_, ldx = ldx_;
-  f.resize(T);
-  for (int64_t t = 0; t < T; ++t) f[t] = x + t * ldx;
-  q.clear();
-  if (need_q8) {
-    q8.quantize(x, T, n, ldx);
-    for (int64_t t = 0; t < T; ++t) q.push_back(q8.tok(t));
-  }
+  if (need_q8) q8.quantize(x_, T_, n_, ldx_);
+  attach(x_, T_, n_, ldx_, need_q8 ? &q8 : nullptr);
 }
 
 void Acts::attach(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, const Q8Acts* shared) {

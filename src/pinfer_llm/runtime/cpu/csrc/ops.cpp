@@ -433,7 +433,6 @@ struct DecodeStep : torch::CustomClassHolder {
   StepScratch sc;
   std::vector<float> xbuf, xo, xn;
   std::vector<LogitFacts> facts, facts_parts;  // head_facts(): the last call's rows; the team's threads' parts
-  TeamHead head_args{};
   std::vector<SlotCache> slots{1};  // slot 0: the caches add_attention was given; add_cache appends others
   bool team = true;  // run, run_rows: decode_team where it applies (set_team(false): decode_layers/rows, to compare)
 
@@ -603,13 +602,7 @@ struct DecodeStep : torch::CustomClassHolder {
     }
     for (int64_t i = 0; i < out_rows.numel(); ++i) TORCH_CHECK(o[i] >= 0 && o[i] < T, "out_rows: row out of range");
     xbuf.assign(x.data_ptr<float>(), x.data_ptr<float>() + T * d);
-    if (team && num_threads() > 1 && team_step_applies(layers)) {
-      at::Tensor logits = at::empty({out_rows.numel(), vocab}, x.options());
-      decode_team(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc,
-                  team_head(o, out_rows.numel(), logits));
-      join_team_facts(out_rows.numel());
-      return logits;
-    }
+    if (team && num_threads() > 1 && team_step_applies(layers)) return team_logits(T, p, sl, o, out_rows.numel());
     decode_rows(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc);
     const int64_t k = out_rows.numel();
     xo.resize(k * d);
@@ -633,12 +626,8 @@ struct DecodeStep : torch::CustomClassHolder {
     xbuf.assign(x.data_ptr<float>(), x.data_ptr<float>() + shape.d);
     const float* rp = rope.data_ptr<float>() + pos * shape.D;
     if (team && num_threads() > 1 && team_step_applies(layers)) {
-      at::Tensor logits = at::empty({1, vocab}, x.options());
       const int64_t zero = 0;
-      decode_team(shape, layers, slots, rope.data_ptr<float>(), 1, &pos, &zero, xbuf.data(), active.data(), sc,
-                  team_head(&zero, 1, logits));
-      join_team_facts(1);
-      return logits;
+      return team_logits(1, &pos, &zero, &zero, 1);
     }
     decode_layers(shape, layers, 0, (int64_t)layers.size(), rp, pos, xbuf.data(), active.data(), sc);
     xo.resize(shape.d);
@@ -691,17 +680,17 @@ struct DecodeStep : torch::CustomClassHolder {
     return {y, nz};
   }
 
-  // decode_team's head over the rows o [k] into logits, its threads' facts into facts_parts
-  const TeamHead* team_head(const int64_t* o, int64_t k, at::Tensor& logits) {
+  // decode_team over xbuf's T rows (at positions p, in slots sl) -> the logits of the rows o [k]; facts: those of
+  // the team's threads' shares, joined
+  at::Tensor team_logits(int64_t T, const int64_t* p, const int64_t* sl, const int64_t* o, int64_t k) {
+    at::Tensor logits = at::empty({k, vocab}, at::TensorOptions().dtype(at::kFloat));
     const int64_t nt = num_threads();
     facts_parts.assign(k * nt, LogitFacts{});
-    head_args = TeamHead{&out_norm, &out_w, o, k, logits.data_ptr<float>(), facts_parts.data(), nt};
-    return &head_args;
-  }
-  void join_team_facts(int64_t k) {
-    const int64_t nt = num_threads();
+    const TeamHead head{&out_norm, &out_w, o, k, logits.data_ptr<float>(), facts_parts.data(), nt};
+    decode_team(shape, layers, slots, rope.data_ptr<float>(), T, p, sl, xbuf.data(), active.data(), sc, &head);
     facts.resize(k);
     for (int64_t i = 0; i < k; ++i) facts[i] = join_facts(facts_parts.data() + i * nt, nt);
+    return logits;
   }
   void take_facts(const at::Tensor& logits) {  // the head's logits [k, vocab], computed off the team
     const int64_t k = logits.size(0);

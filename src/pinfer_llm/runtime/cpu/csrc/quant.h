@@ -177,18 +177,8 @@ struct Q8Acts {
   std::vector<float> d, s;
   std::vector<int32_t> bsum;
   void quantize(const float* x, int64_t T_, int64_t n, int64_t ldx) {
-    T = T_;
-    nb = n / QK;
-    qs.resize(T * nb * QK);
-    d.resize(T * nb);
-    s.resize(T * nb);
-    bsum.resize(T * nb);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t i = t * nb + b;
-        quantize_block(x + t * ldx + b * QK, qs.data() + i * QK, &d[i], &bsum[i]);
-        s[i] = d[i] * (float)bsum[i];
-      }
+    shape(T_, n / QK);
+    for (int64_t t = 0; t < T; ++t) quantize_blocks(x + t * ldx, t, 0, nb);
   }
   Q8 tok(int64_t t) const {
     return {qs.data() + t * nb * QK, d.data() + t * nb, s.data() + t * nb, bsum.data() + t * nb};

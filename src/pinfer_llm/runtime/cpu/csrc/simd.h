@@ -14,6 +14,7 @@
 // scalars are read with memcpy.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -150,6 +151,15 @@ inline float vsum(vf v) {
   return s;
 }
 #endif
+
+// the largest of v's lanes (the same in any order)
+inline float vmax_lanes(vf v) {
+  float lanes[VW];
+  vstore(lanes, v);
+  float m = lanes[0];
+  for (int i = 1; i < VW; ++i) m = std::max(m, lanes[i]);
+  return m;
+}
 
 // e^x for VW values x <= 0 (softmax after subtracting the max): x = n ln2 + r, |r| <= ln2/2 + eps, e^r by its
 // degree-6 Taylor polynomial (relative error < 2e-7), 2^n by building the float's exponent bits.

@@ -472,10 +472,7 @@ LogitFacts logit_facts(const float* v, int64_t b, int64_t e) {
     const vf x = vload(v + i);
     m = vmax(m, x), z = vadd(z, vsub(x, x));
   }
-  float lanes[VW], zl[VW];
-  vstore(lanes, m), vstore(zl, z);
-  float top = -INFINITY, zs = 0.f;
-  for (int l = 0; l < VW; ++l) top = std::max(top, lanes[l]), zs += zl[l];
+  float top = vmax_lanes(m), zs = vsum(z);
   for (; i < e; ++i) top = std::max(top, v[i]), zs += v[i] - v[i];
   f.finite = zs == 0.f;
   if (!f.finite) return f;
