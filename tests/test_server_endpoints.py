@@ -382,11 +382,14 @@ def test_health_answers_while_a_long_text_is_tokenised(served):
     assert len(lat) >= 3 and max(lat) < min(0.2, took / 2), (max(lat), len(lat), took)
 
 
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory):
+@pytest.fixture(scope="module", params=["h11", "httptools"])
+def guarded(request, tmp_path_factory):
+    """A server with a 1 s request deadline and 6 connections, over each HTTP parser (connections.py)."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools", reason="httptools is not installed (pip install '.[serve]')")
     d = tmp_path_factory.mktemp("guarded")
     write_chat_model(d / "m.gguf")
-    srv, slow = start_server(d / "m.gguf", config={"timeout": 1.0, "max_connections": 6})
+    srv, slow = start_server(d / "m.gguf", config={"timeout": 1.0, "max_connections": 6, "parser": request.param})
     yield srv, slow
     srv.close()
 
@@ -443,6 +446,31 @@ def test_the_deadline_does_not_cut_a_long_answer_or_a_kept_connection(guarded):
             assert c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200
     finally:
         slow.delay = 0.0
+
+
+def test_the_deadline_does_not_cut_a_pipelined_request(guarded):
+    """Two requests in one write: the second has arrived whole while the first is answered, so neither the first's
+    long answer nor the second's may be cut by the deadline (httptools makes the second current at once)."""
+    srv, slow = guarded
+    body = b'{"prompt": "abc", "max_tokens": 8}'
+    req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    slow.delay = 0.2  # each answer ~1.6 s: longer than the 1 s deadline
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        s.sendall(req + req)
+        s.settimeout(10)
+        got = b""
+        while got.count(b"HTTP/1.1 200") < 2 or not got.endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        assert got.count(b"HTTP/1.1 200") == 2, got[-300:]
+        assert got.count(b'"completion_tokens": 8') == 2, got[-300:]
+    finally:
+        slow.delay = 0.0
+        s.close()
 
 
 def test_connections_beyond_the_bound_are_refused(guarded):
