@@ -584,6 +584,35 @@ def test_attend_decode(ops, dtype, neox, H, Hkv, pos, D):
     torch.testing.assert_close(out.double().view(H, D), torch.stack(want), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hkv,D,pos,T,neox", [(8, 2, 32, 0, 96, False), (6, 3, 40, 53, 70, True),
+                                                  (4, 4, 64, 7, 3, False)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_attend_prompt_is_attend_decode_row_by_row(ops, dtype, H, Hkv, D, pos, T, neox, threads):
+    """A prompt's rows in one call (the rows' heads shared out among the threads, the last rows first) give every
+    row the bits of its own attend_decode at its position, and the same cache; the first two cases are large enough
+    (>= 2^16 multiply-adds) to run on the threads."""
+    gen = torch.Generator().manual_seed(T * 31 + pos + H)
+    ctx = pos + T + 5
+    k0 = (torch.randn(Hkv, ctx, D, generator=gen) * 3).to(dtype)
+    v0 = torch.randn(Hkv, ctx, D, generator=gen).to(dtype)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen) * 3
+    ang = torch.rand(ctx, D // 2, generator=gen) * 6
+    rope = torch.stack([ang.cos(), ang.sin()], -1).contiguous()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kp, vp = k0.clone(), v0.clone()
+        got = ops.attend_prompt(qkv, rope, kp, vp, pos, H, Hkv, 0.125, neox)
+        kd, vd = k0.clone(), v0.clone()
+        want = torch.cat([ops.attend_decode(qkv[t:t + 1], rope[pos + t], kd, vd, pos + t, H, Hkv, 0.125, neox)
+                          for t in range(T)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert torch.equal(kp, kd) and torch.equal(vp, vd)
+
+
 def test_half_cache_conversions_are_exact(ops):
     """Cache writes round to half exactly as torch does (nearest even, subnormals, overflow, inf, nan, -0), and
     reads convert back exactly: with one position the output is the stored value."""

@@ -281,13 +281,10 @@ class Transformer:
                                                  pos, H, Hkv, self.scale, neox=cfg.rope == "neox")
             return self.out_proj(b, out)
         if self._rows_invariant and self.fused:
-            # row by row, in order: row t writes its key and value, then attends to positions 0..pos+t, exactly as
-            # its decode step would (SDPA's prefill kernel sums in another order, so its rows differ in the last bits)
-            qkv = qkv.contiguous()
-            kc, vc, neox = self.cache.k[li], self.cache.v[li], cfg.rope == "neox"
-            out = torch.cat([torch.ops.pinfer.attend_decode(qkv[t:t + 1], self.rope_cs[pos + t], kc, vc, pos + t, H,
-                                                            Hkv, self.scale, neox=neox).view(1, H * D)
-                             for t in range(T)])
+            # each row t attends to positions 0..pos+t exactly as its decode step would (attend_decode's bits; SDPA's
+            # prefill kernel sums in another order, so its rows differ in the last bits), all rows in one call
+            out = torch.ops.pinfer.attend_prompt(qkv.contiguous(), self.rope_cs, self.cache.k[li], self.cache.v[li],
+                                                 pos, H, Hkv, self.scale, neox=cfg.rope == "neox")
             return self.out_proj(b, out)
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)  # q and k rotated in one op
         if cfg.rope == "normal":

@@ -7,6 +7,7 @@
 // Rotary pairs: adjacent (2i, 2i+1), GGUF's Llama layout (llama.cpp's converter permutes Q/K rows for it); or with
 // neox, the halves (i, i + D/2) (GPT-NeoX / Falcon). Pair i uses rope row i either way.
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "kernels.h"
@@ -209,7 +210,7 @@ void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* r
                  int64_t ctx, int64_t D, const int64_t* pos, int64_t H, int64_t Hkv, float scale, bool neox,
                  float* out) {
   // every row's key and value first, in order (row t reads only positions <= pos[t], which rows before it in the
-  // same cache wrote), then the T x H heads in one parallel loop: each head's sums are attend_decode's
+  // same cache wrote), then the rows' kv heads, each with its query heads (attend_heads: attend_decode's bits)
   std::vector<float> q(T * H * D);
   int64_t work = 0;
   for (int64_t t = 0; t < T; ++t) {
@@ -217,15 +218,21 @@ void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* r
               q.data() + t * H * D);
     work += (pos[t] + 1) * D * H;
   }
-  const int64_t group = H / Hkv;
-  parallel_for(0, T * H, work < (1 << 16) ? T * H : 1, [&](int64_t b, int64_t e) {
-    std::vector<float> p;
-    std::vector<const uint8_t*> vrows;
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t t = i / H, h = i % H;
-      attend_head(q.data() + i * D, kc[t] + (h / group) * ctx * D, vc[t] + (h / group) * ctx * D, pos[t] + 1, D,
-                  scale, out + i * D, p, vrows);
-    }
+  const int64_t group = H / Hkv, items = T * Hkv;
+  auto item = [&](int64_t i) {
+    const int64_t t = i / Hkv, g = i % Hkv;
+    attend_heads<KV>(q.data() + t * H * D, kc[t], vc[t], ctx, D, pos[t], H, Hkv, scale, g * group, (g + 1) * group,
+                     out + t * H * D);
+  };
+  if (work < (1 << 16) || num_threads() == 1) {
+    for (int64_t i = 0; i < items; ++i) item(i);
+    return;
+  }
+  // (row, kv head) items claimed one at a time, the last rows first: a prompt's rows attend to ever more positions,
+  // and contiguous chunks (at::parallel_for's) gave the last thread ~3/4 of a causal prefill's work
+  std::atomic<int64_t> next{0};
+  parallel_for(0, num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < items; i = next++) item(items - 1 - i);
   });
 }
 

@@ -47,6 +47,11 @@
 //               int n_head_kv, float scale, bool neox=False) -> Tensor
 //     One token's RoPE + cache write + attention (attention.cpp); caches [n_head_kv, ctx, head_dim], float32 or
 //     float16 (both the same). neox: rotary pairs (i, i + D/2) instead of (2i, 2i+1).
+// attend_prompt(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head,
+//               int n_head_kv, float scale, bool neox=False) -> Tensor
+//     attend_decode for T rows [T, (H + 2 Hkv) D] of one sequence at positions pos..pos+T-1, in one call (every row's
+//     key and value written, then the rows' heads shared out: attention.cpp attend_rows); each row's bits are its
+//     attend_decode's. rope: the whole table [>= pos + T, head_dim / 2, 2].
 // device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor
 //     uint8 [n, stride]: file rows uint8 [n, row_bytes] in the GPU kernels' layout (device_layout.cpp), with the
 //     int32 tile tables of runtime/gpu/layout.py (q0: 1024 entries, 512 for Q4; q1: Q4 only; so: block types).
@@ -331,6 +336,40 @@ at::Tensor attend_decode_op(const at::Tensor& qkv, const at::Tensor& rope, at::T
                             reinterpret_cast<uint16_t*>(k_cache.data_ptr()),
                             reinterpret_cast<uint16_t*>(v_cache.data_ptr()), ctx, D, pos, H, Hkv, (float)scale, neox,
                             out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor attend_prompt_op(const at::Tensor& qkv, const at::Tensor& rope, at::Tensor k_cache, at::Tensor v_cache,
+                            int64_t pos, int64_t n_head, int64_t n_head_kv, double scale, bool neox) {
+  const int64_t H = n_head, Hkv = n_head_kv;
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "n_head must be a multiple of n_head_kv");
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && (kt == at::kFloat || kt == at::kHalf) &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kt &&
+                  v_cache.is_contiguous(),
+              "k_cache, v_cache: contiguous float32 or float16 [n_head_kv, max_ctx, head_dim], the same dtype");
+  const int64_t ctx = k_cache.size(1), D = k_cache.size(2), nq = (H + 2 * Hkv) * D;
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.size(1) == nq && qkv.stride(1) == 1,
+              "qkv: float32 [T, (n_head + 2 n_head_kv) head_dim], rows contiguous");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(pos >= 0 && pos + T <= ctx, "positions [", pos, ", ", pos + T, ") outside the cache [0, ", ctx, ")");
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 && rope.size(1) * 2 == D &&
+                  rope.size(2) == 2 && rope.size(0) >= pos + T,
+              "rope: the contiguous float32 table [>= pos + T, head_dim / 2, 2]");
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  std::vector<int64_t> ps(T);
+  for (int64_t t = 0; t < T; ++t) ps[t] = pos + t;
+  if (kt == at::kFloat) {
+    std::vector<float*> kp(T, k_cache.data_ptr<float>()), vp(T, v_cache.data_ptr<float>());
+    attend_rows<float>(T, qkv.data_ptr<float>(), qkv.stride(0), rope.data_ptr<float>(), kp.data(), vp.data(), ctx, D,
+                       ps.data(), H, Hkv, (float)scale, neox, out.data_ptr<float>());
+  } else {
+    std::vector<uint16_t*> kp(T, reinterpret_cast<uint16_t*>(k_cache.data_ptr())),
+        vp(T, reinterpret_cast<uint16_t*>(v_cache.data_ptr()));
+    attend_rows<uint16_t>(T, qkv.data_ptr<float>(), qkv.stride(0), rope.data_ptr<float>(), kp.data(), vp.data(), ctx,
+                          D, ps.data(), H, Hkv, (float)scale, neox, out.data_ptr<float>());
+  }
   return out;
 }
 
@@ -802,6 +841,9 @@ TORCH_LIBRARY(PINFER_NS, m) {
   m.def("attend_decode(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, "
         "int n_head_kv, float scale, bool neox=False) -> Tensor",
         &attend_decode_op);
+  m.def("attend_prompt(Tensor qkv, Tensor rope, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, "
+        "int n_head_kv, float scale, bool neox=False) -> Tensor",
+        &attend_prompt_op);
   m.def("device_layout(Tensor rows, int type, int cols, Tensor? q0, Tensor? q1, Tensor? so, int stride) -> Tensor",
         &device_layout_op);
   m.def("requant_q8_0(Tensor rows, int type, int cols) -> Tensor", &requant_q8_0_op);
