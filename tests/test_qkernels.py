@@ -223,6 +223,22 @@ def test_qmatmul(ops, name, rows, cols, T):
     assert torch.equal(default, streaming if T < ops.gemm_min_t() else gemm)
 
 
+@pytest.mark.parametrize("name", [n for n, t in TYPES.items() if t in BLOCK_BYTES])
+@pytest.mark.parametrize("rows,cols", [(7, 96), (40, 160), (33, 4128)])
+def test_qmatmul_tokens_get_their_bits_alone(ops, name, rows, cols):
+    """A token's sums through the streaming tiles are the same bits whatever tokens share its call: one token, a
+    few (the rows streamed per tile of 4), or 8 and more (a row group's lane registers packed once, dot.cpp
+    packed_group); 16-row groups, the 8-row tail and padded last rows alike."""
+    t = TYPES[name]
+    rng = np.random.default_rng(rows + cols + t)
+    raw = encode(rng, rows, cols, t)
+    w = place(raw, 1 + cols % 63)
+    xt = torch.from_numpy(rng.standard_normal((64, cols)).astype(np.float32))
+    alone = torch.cat([ops.qmatmul(xt[i:i + 1], [w], [t], 1 << 30) for i in range(64)])
+    for T in (2, 4, 5, 8, 13, 64):
+        assert torch.equal(ops.qmatmul(xt[:T], [w], [t], 1 << 30), alone[:T]), T
+
+
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
 @pytest.mark.parametrize("rows,cols,T", [(1, 1, 1), (7, 7, 2), (33, 33, 5), (257, 4100, 1), (7, 100, 17),
                                          (33, 4100, 24), (9, 37, 100)])

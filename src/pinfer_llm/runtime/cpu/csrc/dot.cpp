@@ -54,10 +54,41 @@ inline void tile(const uint8_t* const* rows, const Acts& a, int64_t t0, float* o
     ftile<TY, R, C>(rows, a.f.data() + t0, a.n, out, os, nxt);
 }
 
+#if defined(PINFER_AVX2)
+// A block type's row group against two token tiles or more (a prompt's chunk): the rows' lane registers made once
+// (quant.h lane_pack), then every token tile over them (qtile_packed: the streaming tile's bits)
+template <class V, int TY, int CMAX>
+void packed_group(const uint8_t* const* rows, const Acts& a, float* out, int64_t os, const uint8_t* const* nxt) {
+  const int64_t nb = a.n / QK;
+  thread_local std::vector<LanePack<V>> pk;  // an over-aligned type: std::allocator aligns it (C++17)
+  if ((int64_t)pk.size() < nb) pk.resize(nb);
+  lane_pack<V, TY>(rows, nb, pk.data(), nxt);
+  const Q8* xs = a.q.data();
+  int64_t t0 = 0;
+  for (; t0 + CMAX <= a.T; t0 += CMAX) qtile_packed<V, TY, CMAX>(pk.data(), xs + t0, nb, out + t0 * os, os);
+  switch (a.T - t0) {
+    case 1: qtile_packed<V, TY, 1>(pk.data(), xs + t0, nb, out + t0 * os, os); break;
+    case 2: if constexpr (CMAX > 2) qtile_packed<V, TY, 2>(pk.data(), xs + t0, nb, out + t0 * os, os); break;
+    case 3: if constexpr (CMAX > 3) qtile_packed<V, TY, 3>(pk.data(), xs + t0, nb, out + t0 * os, os); break;
+    default: break;
+  }
+}
+#endif
+
 // R rows against every token, CMAX tokens per tile (CMAX <= 4); the first token tile also prefetches the next R
 // rows (nxt, into L2) in step with its own, so scattered rows start streaming one group early
 template <int TY, int R, int CMAX>
 void row_group(const uint8_t* const* rows, const Acts& a, float* out, int64_t os, const uint8_t* const* nxt) {
+#if defined(PINFER_AVX2)
+  if constexpr (is_block(TY)) {
+    if (a.T >= 2 * CMAX) {
+#if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
+      if constexpr (R == 16) return packed_group<L16, TY, CMAX>(rows, a, out, os, nxt);
+#endif
+      if constexpr (R == 8) return packed_group<L8, TY, CMAX>(rows, a, out, os, nxt);
+    }
+  }
+#endif
   int64_t t0 = 0;
   for (; t0 + CMAX <= a.T; t0 += CMAX) tile<TY, R, CMAX>(rows, a, t0, out + t0 * os, os, t0 == 0 ? nxt : nullptr);
   const uint8_t* const* nx = t0 == 0 ? nxt : nullptr;

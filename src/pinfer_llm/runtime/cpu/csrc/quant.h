@@ -394,9 +394,31 @@ inline typename V::vi lane_bias(int32_t bsum) {
   return V::zero_i();
 }
 
-// V::N rows (each PF_EVERY-th block prefetches the rows ahead and the caller's next rows) x C tokens. Q4_1's offset
-// term sum_b m_b s_b (weights q * d + m, the tokens' s = d_x sum(q_x)) runs in a second accumulator per token, added
-// last.
+// One block of V::N rows (their lane registers w, scales dw and Q4_1's mins mw) against C tokens, into each token's
+// accumulators. Q4_1's offset term sum_b m_b s_b (weights q * d + m, the tokens' s = d_x sum(q_x)) runs in a second
+// accumulator per token, added last. The streaming tile and the packed one below both go through here: the same
+// operations in the same order, so the same bits.
+template <class V, int TY, int C>
+inline void lane_block(const typename V::vi* w, typename V::vf dw, typename V::vf mw, const Q8* xs, int64_t b,
+                       typename V::vf* facc, typename V::vf* macc) {
+  typedef typename V::vi vi;
+  // one token's 8 products per block in two dependent chains (vpdpbusd's latency is 5 cycles); 3 or more tokens are
+  // chains enough. Integer sums: the split changes no bit.
+  constexpr int NCH = C <= 2 ? 2 : 1;
+  for (int c = 0; c < C; ++c) {
+    const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
+    vi ch[NCH];
+    ch[0] = lane_bias<V, TY>(xs[c].bsum[b]);
+    if constexpr (NCH == 2) ch[1] = V::zero_i();
+    for (int k = 0; k < 8; ++k) ch[k % NCH] = V::template dot<TY>(ch[k % NCH], w[k], V::set1_32(rd_i32(xq + 4 * k)));
+    vi s = ch[0];
+    if constexpr (NCH == 2) s = V::add32(s, ch[1]);
+    facc[c] = V::fma(V::cvt(s), V::mul(dw, V::bcast(xs[c].d + b)), facc[c]);
+    if constexpr (TY == Q4_1) macc[c] = V::fma(mw, V::bcast(xs[c].s + b), macc[c]);
+  }
+}
+
+// V::N rows (each PF_EVERY-th block prefetches the rows ahead and the caller's next rows) x C tokens
 template <class V, int TY, int C>
 inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, float* out, int64_t ostride,
                         const uint8_t* const* nxt) {
@@ -405,9 +427,6 @@ inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, fl
   typedef typename V::vf vf;
   constexpr int N = V::N;
   constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
-  // one token's 8 products per block in two dependent chains (vpdpbusd's latency is 5 cycles); 3 or more tokens are
-  // chains enough. Integer sums: the split changes no bit.
-  constexpr int NCH = C <= 2 ? 2 : 1;
   vf facc[C], macc[C];
   for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
   for (int64_t b = 0; b < nb; ++b) {
@@ -423,18 +442,46 @@ inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, fl
     lane_weights<V, TY>(rows, bo, w);
     vf dw, mw = V::zero_f();
     V::halves(V::lead(rows, bo), dw, mw, TY == Q4_1);  // the rows' scales d (and Q4_1's mins m), exact as f16_table
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
-      vi ch[NCH];
-      ch[0] = lane_bias<V, TY>(xs[c].bsum[b]);
-      if constexpr (NCH == 2) ch[1] = V::zero_i();
-      for (int k = 0; k < 8; ++k) ch[k % NCH] = V::template dot<TY>(ch[k % NCH], w[k], V::set1_32(rd_i32(xq + 4 * k)));
-      vi s = ch[0];
-      if constexpr (NCH == 2) s = V::add32(s, ch[1]);
-      facc[c] = V::fma(V::cvt(s), V::mul(dw, V::bcast(xs[c].d + b)), facc[c]);
-      if constexpr (TY == Q4_1) macc[c] = V::fma(mw, V::bcast(xs[c].s + b), macc[c]);
-    }
+    lane_block<V, TY, C>(w, dw, mw, xs, b, facc, macc);
   }
+  for (int c = 0; c < C; ++c) V::store(out + c * ostride, TY == Q4_1 ? V::add(facc[c], macc[c]) : facc[c]);
+}
+
+// The lane registers of V::N rows' blocks, made once for a call of many tokens (a prompt's chunk): its token tiles
+// then read them from cache, where the streaming tile unpacks and transposes the rows again for every 4 tokens
+// (~40% of a 16-row, 4-token block's instructions at SmolLM2's shapes). 10 vectors a block: 40 KB for 16 rows of a
+// 2048-wide Q4_0 matrix, in L1 / L2.
+template <class V>
+struct LanePack {
+  typename V::vi w[8];
+  typename V::vf dw, mw;
+};
+
+template <class V, int TY>
+inline void lane_pack(const uint8_t* const* rows, int64_t nb, LanePack<V>* pk, const uint8_t* const* nxt) {
+  constexpr int N = V::N;
+  constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t bo = b * BB;
+    if (b % PF_EVERY == 0)
+      for (int r = 0; r < N; ++r) {
+        prefetch(rows[r] + bo + PF_AHEAD);
+        if (nxt) prefetch_l2(nxt[r] + bo);
+      }
+    lane_weights<V, TY>(rows, bo, pk[b].w);
+    pk[b].mw = V::zero_f();
+    V::halves(V::lead(rows, bo), pk[b].dw, pk[b].mw, TY == Q4_1);
+  }
+}
+
+// qtile_lanes over packed rows (lane_pack): the same bits
+template <class V, int TY, int C>
+inline void qtile_packed(const LanePack<V>* pk, const Q8* xs, int64_t nb, float* out, int64_t ostride) {
+  static_assert(C >= 1 && C <= 4, "up to 4 tokens");
+  typedef typename V::vf vf;
+  vf facc[C], macc[C];
+  for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
+  for (int64_t b = 0; b < nb; ++b) lane_block<V, TY, C>(pk[b].w, pk[b].dw, pk[b].mw, xs, b, facc, macc);
   for (int c = 0; c < C; ++c) V::store(out + c * ostride, TY == Q4_1 ? V::add(facc[c], macc[c]) : facc[c]);
 }
 
