@@ -57,7 +57,20 @@ void ffn_act_rows(int act, const float* g, const float* u, const float* up_bias,
     for (int64_t i = 0; i < n; ++i) h[i] *= up_bias ? u[i] + up_bias[i] : u[i];
     return;
   }
-  for (int64_t i = 0; i < n; ++i) h[i] = ffn_act(act, g ? g[i] : 0.f, up_bias ? u[i] + up_bias[i] : u[i]);
+  // the ReLU family a loop each, which the compiler vectorises (ffn_act's bits: a compare, a select, a multiply); a
+  // call of ffn_act per value was ~4% of a 1B ReGLU llama's prefill
+  if (!up_bias && g && act == REGLU) {
+    for (int64_t i = 0; i < n; ++i) h[i] = g[i] > 0.f ? g[i] * u[i] : 0.f;
+  } else if (!up_bias && g && act == DRELU) {
+    for (int64_t i = 0; i < n; ++i) h[i] = (g[i] > 0.f && u[i] > 0.f) ? g[i] * u[i] : 0.f;
+  } else if (act == RELU_NOGATE) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = up_bias ? u[i] + up_bias[i] : u[i];
+      h[i] = v > 0.f ? v : 0.f;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) h[i] = ffn_act(act, g ? g[i] : 0.f, up_bias ? u[i] + up_bias[i] : u[i]);
+  }
 }
 
 void ffn_mm(const float* x, int64_t T, int64_t d, const Mat& gate, const Mat& up, const Mat& down, int act,
