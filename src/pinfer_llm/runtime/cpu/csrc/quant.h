@@ -222,6 +222,15 @@ struct Q8Acts {
 // that Xeon (benchmarks/gemv_ab.py; 5632-wide rows equal), for a reason not found yet (not the prefetch distance).
 inline int32_t rd_i32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
+// can N rows' leading dwords be gathered from rows[0] (every row within +-1 GB of it, 32-bit offsets)?
+inline bool lead_gathers(const uint8_t* const* rows, int N) {
+  for (int r = 1; r < N; ++r) {
+    const int64_t o = rows[r] - rows[0];
+    if (o > (1 << 30) || o < -(1 << 30)) return false;
+  }
+  return true;
+}
+
 // The leading dwords of 4 rows' blocks (d | m << 16 for Q4_1; d and two bytes not used otherwise), one per i32 lane:
 // the lane tiles' scales, 4 rows per 128-bit lane
 inline __m128i lead4(const uint8_t* const* blk, int64_t bo) {
@@ -238,6 +247,7 @@ inline __m128i lead4(const uint8_t* const* blk, int64_t bo) {
 // 4 rows 0.889x.
 struct L8 {
   static constexpr int N = 8;
+  static constexpr bool GATHER = false;  // not measured on an AVX2-only CPU: lead's loads and inserts there
   typedef __m256i vi;
   typedef __m256 vf;
   static vi load_rows(const uint8_t* const* blk, int i, int64_t off) {  // rows i (low lane) and i + 4 (high lane)
@@ -299,6 +309,7 @@ struct L8 {
 #if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
 struct L16 {
   static constexpr int N = 16;
+  static constexpr bool GATHER = true;
   typedef __m512i vi;
   typedef __m512 vf;
   static vi load_rows(const uint8_t* const* blk, int i, int64_t off) {  // rows i, i + 4, i + 8, i + 12
@@ -332,6 +343,15 @@ struct L16 {
     v = _mm512_inserti32x4(v, lead4(blk + 4, bo), 1);
     v = _mm512_inserti32x4(v, lead4(blk + 8, bo), 2);
     return _mm512_inserti32x4(v, lead4(blk + 12, bo), 3);
+  }
+  // lead by one gather: row r's dword at base + off[r] + bo (off: the rows' offsets from base, lane r)
+  static vi lead_at(const uint8_t* base, vi off, int64_t bo) {
+    return _mm512_i32gather_epi32(off, (const int*)(base + bo), 1);
+  }
+  static vi offsets(const uint8_t* const* blk) {
+    alignas(64) int32_t o[16];
+    for (int r = 0; r < 16; ++r) o[r] = (int32_t)(blk[r] - blk[0]);
+    return _mm512_load_si512((const void*)o);
   }
   static void halves(vi v, vf& d, vf& m, bool want_m) {
     const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
@@ -429,6 +449,13 @@ inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, fl
   constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
   vf facc[C], macc[C];
   for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
+  // the rows' scales by one gather per block where their offsets from rows[0] fit 32 bits (rows of one matrix)
+  bool gather = false;
+  vi off = V::zero_i();
+  if constexpr (V::GATHER) {
+    gather = lead_gathers(rows, N);
+    if (gather) off = V::offsets(rows);
+  }
   for (int64_t b = 0; b < nb; ++b) {
     // the rows as rows[r] + bo (an addressing mode), not as N pointers advanced a block at a time: N = 16 pointers
     // did not fit the registers, and their stores and reloads were a third of the loop's instructions
@@ -441,7 +468,13 @@ inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, fl
     vi w[8];
     lane_weights<V, TY>(rows, bo, w);
     vf dw, mw = V::zero_f();
-    V::halves(V::lead(rows, bo), dw, mw, TY == Q4_1);  // the rows' scales d (and Q4_1's mins m), exact as f16_table
+    // the rows' scales d (and Q4_1's mins m), exact as f16_table
+    vi lead;
+    if constexpr (V::GATHER)
+      lead = gather ? V::lead_at(rows[0], off, bo) : V::lead(rows, bo);
+    else
+      lead = V::lead(rows, bo);
+    V::halves(lead, dw, mw, TY == Q4_1);
     lane_block<V, TY, C>(w, dw, mw, xs, b, facc, macc);
   }
   for (int c = 0; c < C; ++c) V::store(out + c * ostride, TY == Q4_1 ? V::add(facc[c], macc[c]) : facc[c]);
@@ -459,8 +492,15 @@ struct LanePack {
 
 template <class V, int TY>
 inline void lane_pack(const uint8_t* const* rows, int64_t nb, LanePack<V>* pk, const uint8_t* const* nxt) {
+  typedef typename V::vi vi;
   constexpr int N = V::N;
   constexpr int64_t BB = unit_bytes(TY), PF_EVERY = 64 / BB;
+  bool gather = false;  // as qtile_lanes
+  vi off = V::zero_i();
+  if constexpr (V::GATHER) {
+    gather = lead_gathers(rows, N);
+    if (gather) off = V::offsets(rows);
+  }
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t bo = b * BB;
     if (b % PF_EVERY == 0)
@@ -470,7 +510,12 @@ inline void lane_pack(const uint8_t* const* rows, int64_t nb, LanePack<V>* pk, c
       }
     lane_weights<V, TY>(rows, bo, pk[b].w);
     pk[b].mw = V::zero_f();
-    V::halves(V::lead(rows, bo), pk[b].dw, pk[b].mw, TY == Q4_1);
+    vi lead;
+    if constexpr (V::GATHER)
+      lead = gather ? V::lead_at(rows[0], off, bo) : V::lead(rows, bo);
+    else
+      lead = V::lead(rows, bo);
+    V::halves(lead, pk[b].dw, pk[b].mw, TY == Q4_1);
   }
 }
 
