@@ -156,7 +156,8 @@ void attend_decode(const float* qkv, const float* rope, KV* k_cache, KV* v_cache
                    int64_t H, int64_t Hkv, float scale, bool neox, float* out);
 // T rows at once, row t at position pos[t] of its own cache kc[t], vc[t] ([Hkv, ctx, D] each): qkv [T, qkv_stride],
 // rope the whole table [ctx, D/2, 2], out [T, H * D]. A slot's rows in position order. Each row's result is the
-// bits attend_decode gives it (the heads of every row in one parallel loop: one fork per layer, not per row).
+// bits attend_decode gives it (the rows' (row, kv head) pairs claimed by the threads, the last rows first: one fork
+// per call, not per row).
 template <typename KV>
 void attend_rows(int64_t T, const float* qkv, int64_t qkv_stride, const float* rope, KV* const* kc, KV* const* vc,
                  int64_t ctx, int64_t D, const int64_t* pos, int64_t H, int64_t Hkv, float scale, bool neox,
