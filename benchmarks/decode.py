@@ -110,6 +110,10 @@ def run_llama_bench(args) -> dict:
     cmd = [args.llama_bench, "-m", args.model, "-t", str(args.threads), "-p", str(args.prefill), "-n",
            str(args.tokens), "-r", "1", "-ngl", "0", "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode in (-4, -11, 132, 139):  # SIGILL / SIGSEGV (from the process, or through a shell)
+        raise SystemExit(f"llama-bench died with {'SIGILL' if out.returncode in (-4, 132) else 'SIGSEGV'}: a native "
+                         "llama.cpp build runs AMX kernels on prompts, which this OS may not grant; rebuild it with "
+                         "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF (docs/results.md)")
     if out.returncode != 0:
         raise SystemExit(f"llama-bench failed ({' '.join(cmd)}):\n{(out.stderr or out.stdout)[-2000:]}")
     results = json.loads(out.stdout)
