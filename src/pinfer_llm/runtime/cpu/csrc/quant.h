@@ -242,7 +242,7 @@ inline __m128i lead4(const uint8_t* const* blk, int64_t bo) {
 // The lane tiles are written once against two register widths: L8 (ymm, 8 rows; every AVX2 build) and L16 (zmm,
 // 16 rows, rows r, r + 4, r + 8, r + 12 in the four 128-bit lanes of one register; AVX-512 builds with VNNI). A row's
 // lane computes the same operations in the same order in both, so the two give the same bits and mix freely (a call's
-// last rows take the 8-row tile when 8 or fewer remain: the sparse FFN's groups of 8 neurons). Measured (same Xeon,
+// last rows take the 8-row tile when 8 or fewer remain: a sparse FFN group's last neurons). Measured (same Xeon,
 // SmolLM2's decode step, batch_step.py --against, 11 paired rounds): 16 rows against 8, 1 row 0.837x the time,
 // 4 rows 0.889x.
 struct L8 {
