@@ -386,7 +386,7 @@ def test_health_answers_while_a_long_text_is_tokenised(served):
 def guarded(request, tmp_path_factory):
     """A server with a 1 s request deadline and 6 connections, over each HTTP parser (connections.py)."""
     if request.param == "httptools":
-        pytest.importorskip("httptools", reason="httptools is not installed (pip install '.[serve]')")
+        pytest.importorskip("httptools", reason="httptools is not installed (a dependency: pip install -e .)")
     d = tmp_path_factory.mktemp("guarded")
     write_chat_model(d / "m.gguf")
     srv, slow = start_server(d / "m.gguf", config={"timeout": 1.0, "max_connections": 6, "parser": request.param})

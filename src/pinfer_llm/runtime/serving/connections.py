@@ -11,8 +11,8 @@ beyond the bound is answered 503 in OpenAI's shape and closed at once.
     uvicorn.Server(config).run(sockets=[sock])
 
 The HTTP parser is httptools' (C, llhttp) and the event loop uvloop's where they are installed (uvicorn's own
-choice for `uvicorn[standard]`; pinfer's `serve` extra installs them), else h11 and asyncio's: each streamed token is
-one event through the loop and the parser's framing, on the cores the decode step needs.
+choice; both are pinfer's dependencies, uvloop except on Windows), else h11 and asyncio's: each streamed token is one
+event through the loop and the parser's framing, on the cores the decode step needs.
 """
 
 from __future__ import annotations

@@ -310,17 +310,24 @@ at::Tensor layer_norm_op(const at::Tensor& x, const at::Tensor& w, const std::op
   return y;
 }
 
-at::Tensor attend_decode_op(const at::Tensor& qkv, const at::Tensor& rope, at::Tensor k_cache, at::Tensor v_cache,
-                            int64_t pos, int64_t n_head, int64_t n_head_kv, double scale, bool neox) {
-  const int64_t H = n_head, Hkv = n_head_kv;
+// attend_decode's and attend_prompt's heads and caches: n_head a multiple of n_head_kv, caches [n_head_kv, ctx, D]
+// contiguous, float32 or float16 alike, D even
+void check_heads_and_caches(int64_t H, int64_t Hkv, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "n_head must be a multiple of n_head_kv");
   const auto kt = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && (kt == at::kFloat || kt == at::kHalf) &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kt &&
                   v_cache.is_contiguous(),
               "k_cache, v_cache: contiguous float32 or float16 [n_head_kv, max_ctx, head_dim], the same dtype");
+  TORCH_CHECK(k_cache.size(2) % 2 == 0, "head_dim must be even");
+}
+
+at::Tensor attend_decode_op(const at::Tensor& qkv, const at::Tensor& rope, at::Tensor k_cache, at::Tensor v_cache,
+                            int64_t pos, int64_t n_head, int64_t n_head_kv, double scale, bool neox) {
+  const int64_t H = n_head, Hkv = n_head_kv;
+  check_heads_and_caches(H, Hkv, k_cache, v_cache);
+  const auto kt = k_cache.scalar_type();
   const int64_t ctx = k_cache.size(1), D = k_cache.size(2);
-  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
   TORCH_CHECK(pos >= 0 && pos < ctx, "position ", pos, " outside the cache [0, ", ctx, ")");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.numel() == (H + 2 * Hkv) * D && qkv.stride(-1) == 1 &&
                   (qkv.dim() == 1 || qkv.size(0) == 1),
@@ -342,14 +349,9 @@ at::Tensor attend_decode_op(const at::Tensor& qkv, const at::Tensor& rope, at::T
 at::Tensor attend_prompt_op(const at::Tensor& qkv, const at::Tensor& rope, at::Tensor k_cache, at::Tensor v_cache,
                             int64_t pos, int64_t n_head, int64_t n_head_kv, double scale, bool neox) {
   const int64_t H = n_head, Hkv = n_head_kv;
-  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "n_head must be a multiple of n_head_kv");
+  check_heads_and_caches(H, Hkv, k_cache, v_cache);
   const auto kt = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == Hkv && (kt == at::kFloat || kt == at::kHalf) &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kt &&
-                  v_cache.is_contiguous(),
-              "k_cache, v_cache: contiguous float32 or float16 [n_head_kv, max_ctx, head_dim], the same dtype");
   const int64_t ctx = k_cache.size(1), D = k_cache.size(2), nq = (H + 2 * Hkv) * D;
-  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.size(1) == nq && qkv.stride(1) == 1,
               "qkv: float32 [T, (n_head + 2 n_head_kv) head_dim], rows contiguous");
   const int64_t T = qkv.size(0);
