@@ -629,6 +629,37 @@ def test_attend_prompt_is_attend_decode_row_by_row(ops, dtype, H, Hkv, D, pos, T
     assert torch.equal(kp, kd) and torch.equal(vp, vd)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D,pos", [(64, 300), (128, 130), (64, 0)])
+def test_attend_head_bits_do_not_depend_on_its_group(ops, dtype, D, pos):
+    """A query head's output is the same bits whichever of its kv group's heads share its call: attend_prompt takes a
+    kv group's heads together (C of them: values summed in registers, attention.cpp values_reg, up to 4 heads of 64
+    values or 2 of 128; through memory, axpy_rows, for larger groups), attend_decode one head at a time; and both
+    agree with float64."""
+    gen = torch.Generator().manual_seed(D + pos)
+    ctx = pos + 8
+    k0 = torch.randn(1, ctx, D, generator=gen).to(dtype)  # unscaled: softmax weights spread over every position
+    v0 = torch.randn(1, ctx, D, generator=gen).to(dtype)
+    q = torch.randn(6, D, generator=gen)
+    kv = torch.randn(2, D, generator=gen)
+    ang = torch.rand(ctx, D // 2, generator=gen) * 6
+    rope = torch.stack([ang.cos(), ang.sin()], -1).contiguous()
+    for H in range(1, 7):  # one kv group of H query heads
+        qkv = torch.cat([q[:H].reshape(-1), kv.reshape(-1)])[None]
+        together = ops.attend_prompt(qkv, rope, k0.clone(), v0.clone(), pos, H, 1, 0.125, False)
+        alone = ops.attend_decode(qkv, rope[pos], k0.clone(), v0.clone(), pos, H, 1, 0.125, False)
+        assert torch.equal(together, alone), H
+    k, v = k0.double()[0], v0.double()[0]
+    c, s_ = rope[pos].double().unbind(-1)
+    a, b = kv[0].double().view(D // 2, 2).unbind(-1)
+    k[pos] = torch.stack([a * c - b * s_, a * s_ + b * c], -1).view(D).to(dtype).double()
+    v[pos] = kv[1].to(dtype).double()
+    qa, qb = q.double().view(6, D // 2, 2).unbind(-1)
+    qr = torch.stack([qa * c - qb * s_, qa * s_ + qb * c], -1).view(6, D)
+    want = torch.softmax(qr @ k[:pos + 1].T * 0.125, -1) @ v[:pos + 1]
+    torch.testing.assert_close(together.double().view(6, D), want, rtol=1e-4, atol=1e-4)
+
+
 def test_half_cache_conversions_are_exact(ops):
     """Cache writes round to half exactly as torch does (nearest even, subnormals, overflow, inf, nan, -0), and
     reads convert back exactly: with one position the output is the stored value."""

@@ -91,6 +91,56 @@ inline void key_scores(const uint8_t* const* kt, const float* q, int64_t D, floa
 }
 #endif
 
+// out [C, D] = sum over the value rows t < n (vh, D values each) of p[c np + t] v_t, the C heads' sums held in
+// registers from the first row to the last (DV vectors a head): each value row is loaded and converted once, and
+// neither the sums nor the weights p go through memory per row, where axpy_rows (the general path) loads and stores
+// every head's sums each 8 rows and broadcasts each p from memory for every vector of the head. The same chain of
+// fused multiply-adds per value as axpy_rows', in row order from +0: the same bits.
+template <int TY, int C, int DV>
+void values_reg(const uint8_t* vh, int64_t n, const float* p, int64_t np, float* out) {
+  constexpr int64_t row = DV * VW * unit_bytes(TY);
+  vf acc[C][DV];
+  for (int c = 0; c < C; ++c)
+    for (int k = 0; k < DV; ++k) acc[c][k] = vzero();
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* v = vh + t * row;
+    for (int64_t a = 0; a < row; a += 64) prefetch(v + 4 * row + a);  // 4 rows ahead (in L2: attend_group's prefetch)
+    vf h[C];
+    for (int c = 0; c < C; ++c) h[c] = vset1(p[c * np + t]);
+    for (int k = 0; k < DV; ++k) {
+      const vf w = wload<TY>(v, k * VW);
+      for (int c = 0; c < C; ++c) acc[c][k] = vfma(w, h[c], acc[c][k]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int k = 0; k < DV; ++k) vstore(out + c * DV * VW + k * VW, acc[c][k]);
+}
+
+// values_reg where its sums fit the registers with room for one value vector and the C weights: 64-wide heads with up
+// to 4 query heads per kv head and 128-wide ones with up to 2 on AVX-512 (32 registers of 16 floats); 64-wide heads
+// with 1 elsewhere (16 registers of 8). False elsewhere: the caller's general path.
+template <int TY>
+bool values_in_registers(int64_t C, int64_t D, const uint8_t* vh, int64_t n, const float* p, int64_t np,
+                         float* out) {
+  if (n < 1) return false;
+  if (D == 64) {
+    switch (C) {
+      case 1: values_reg<TY, 1, 64 / VW>(vh, n, p, np, out); return true;
+      case 2: if constexpr (VW == 16) { values_reg<TY, 2, 64 / VW>(vh, n, p, np, out); return true; } break;
+      case 3: if constexpr (VW == 16) { values_reg<TY, 3, 64 / VW>(vh, n, p, np, out); return true; } break;
+      case 4: if constexpr (VW == 16) { values_reg<TY, 4, 64 / VW>(vh, n, p, np, out); return true; } break;
+      default: break;
+    }
+  } else if (D == 128 && VW == 16) {
+    switch (C) {
+      case 1: values_reg<TY, 1, 128 / VW>(vh, n, p, np, out); return true;
+      case 2: values_reg<TY, 2, 128 / VW>(vh, n, p, np, out); return true;
+      default: break;
+    }
+  }
+  return false;
+}
+
 // C query heads q [C, D] (consecutive, one kv head) against that head's rows 0..n-1 (kh, vh [n, D]) -> out [C, D];
 // p, kb, vrows: scratch. Each head's bits are its own whatever C: the heads share only the reading (and, for a half
 // cache, the conversion) of each key and value row, which a 1024-deep head was bound by (4 conversions a row).
@@ -172,6 +222,7 @@ void attend_group(const float* q, int64_t C, const KV* kh_, const KV* vh_, int64
     const float inv = 1.f / sum;
     for (t = 0; t < n; ++t) pc[t] *= inv;
   }
+  if (values_in_registers<TY>(C, D, vh, n, p.data(), np, out)) return;
   std::fill(out, out + C * D, 0.f);
   vrows.resize(n);  // value rows, several per pass, each read (and converted) once for the C heads (axpy_rows)
   for (t = 0; t < n; ++t) vrows[t] = vh + t * row;
