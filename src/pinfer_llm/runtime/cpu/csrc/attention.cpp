@@ -116,29 +116,32 @@ void values_reg(const uint8_t* vh, int64_t n, const float* p, int64_t np, float*
     for (int k = 0; k < DV; ++k) vstore(out + c * DV * VW + k * VW, acc[c][k]);
 }
 
-// values_reg where its sums fit the registers with room for one value vector and the C weights: 64-wide heads with up
-// to 4 query heads per kv head and 128-wide ones with up to 2 on AVX-512 (32 registers of 16 floats); 64-wide heads
-// with 1 elsewhere (16 registers of 8). False elsewhere: the caller's general path.
+// values_reg over a kv group's C heads in parts whose sums fit the registers with room for one value vector and the
+// weights: 4 heads of 64 values or 2 of 128 on AVX-512 (32 registers of 16 floats), 1 head of 64 elsewhere (16 of 8);
+// a part after the first reads the value rows again, from cache (the 1B llama's 8 query heads a kv head: 2 parts).
+// False for other head sizes: the caller's general path.
 template <int TY>
 bool values_in_registers(int64_t C, int64_t D, const uint8_t* vh, int64_t n, const float* p, int64_t np,
                          float* out) {
-  if (n < 1) return false;
-  if (D == 64) {
-    switch (C) {
-      case 1: values_reg<TY, 1, 64 / VW>(vh, n, p, np, out); return true;
-      case 2: if constexpr (VW == 16) { values_reg<TY, 2, 64 / VW>(vh, n, p, np, out); return true; } break;
-      case 3: if constexpr (VW == 16) { values_reg<TY, 3, 64 / VW>(vh, n, p, np, out); return true; } break;
-      case 4: if constexpr (VW == 16) { values_reg<TY, 4, 64 / VW>(vh, n, p, np, out); return true; } break;
-      default: break;
-    }
-  } else if (D == 128 && VW == 16) {
-    switch (C) {
-      case 1: values_reg<TY, 1, 128 / VW>(vh, n, p, np, out); return true;
-      case 2: values_reg<TY, 2, 128 / VW>(vh, n, p, np, out); return true;
-      default: break;
+  constexpr bool wide = VW == 16;
+  if (n < 1 || !(D == 64 || (D == 128 && wide))) return false;
+  const int64_t most = !wide ? 1 : D == 64 ? 4 : 2;
+  for (int64_t c = 0; c < C; c += most) {
+    const int64_t k = std::min(most, C - c);
+    const float* pc = p + c * np;
+    float* oc = out + c * D;
+    if (D == 128) {
+      if (k == 1) values_reg<TY, 1, 128 / VW>(vh, n, pc, np, oc);
+      else if constexpr (wide) values_reg<TY, 2, 128 / VW>(vh, n, pc, np, oc);
+    } else if (k == 1) {
+      values_reg<TY, 1, 64 / VW>(vh, n, pc, np, oc);
+    } else if constexpr (wide) {
+      if (k == 2) values_reg<TY, 2, 64 / VW>(vh, n, pc, np, oc);
+      else if (k == 3) values_reg<TY, 3, 64 / VW>(vh, n, pc, np, oc);
+      else values_reg<TY, 4, 64 / VW>(vh, n, pc, np, oc);
     }
   }
-  return false;
+  return true;
 }
 
 // C query heads q [C, D] (consecutive, one kv head) against that head's rows 0..n-1 (kh, vh [n, D]) -> out [C, D];
