@@ -104,7 +104,8 @@ void values_reg(const uint8_t* vh, int64_t n, const float* p, int64_t np, float*
     for (int k = 0; k < DV; ++k) acc[c][k] = vzero();
   for (int64_t t = 0; t < n; ++t) {
     const uint8_t* v = vh + t * row;
-    for (int64_t a = 0; a < row; a += 64) prefetch(v + 4 * row + a);  // 4 rows ahead (in L2: attend_group's prefetch)
+    if (t + 4 < n)  // 4 rows ahead, into L1 (attend_group prefetched them into L2)
+      for (int64_t a = 0; a < row; a += 64) prefetch(v + 4 * row + a);
     vf h[C];
     for (int c = 0; c < C; ++c) h[c] = vset1(p[c * np + t]);
     for (int k = 0; k < DV; ++k) {
