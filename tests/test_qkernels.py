@@ -633,9 +633,9 @@ def test_attend_prompt_is_attend_decode_row_by_row(ops, dtype, H, Hkv, D, pos, T
 @pytest.mark.parametrize("D,pos", [(64, 300), (128, 130), (64, 0)])
 def test_attend_head_bits_do_not_depend_on_its_group(ops, dtype, D, pos):
     """A query head's output is the same bits whichever of its kv group's heads share its call: attend_prompt takes a
-    kv group's heads together (the values summed in registers, attention.cpp values_reg, in parts of up to 4 heads of
-    64 values or 2 of 128 on AVX-512, one head elsewhere; a 128-wide head on AVX2 through memory, axpy_rows),
-    attend_decode one head at a time; and both agree with float64."""
+    kv group's heads together (the values summed in registers, attention.cpp values_reg, in passes of 4 vectors of
+    values for up to 4 heads on AVX-512, 2 on AVX2), attend_decode one head at a time; and both agree with
+    float64."""
     gen = torch.Generator().manual_seed(D + pos)
     ctx = pos + 8
     k0 = torch.randn(1, ctx, D, generator=gen).to(dtype)  # unscaled: softmax weights spread over every position

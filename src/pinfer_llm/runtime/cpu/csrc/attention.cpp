@@ -91,21 +91,22 @@ inline void key_scores(const uint8_t* const* kt, const float* q, int64_t D, floa
 }
 #endif
 
-// out [C, D] = sum over the value rows t < n (vh, D values each) of p[c np + t] v_t, the C heads' sums held in
-// registers from the first row to the last (DV vectors a head): each value row is loaded and converted once, and
-// neither the sums nor the weights p go through memory per row, where axpy_rows (the general path) loads and stores
-// every head's sums each 8 rows and broadcasts each p from memory for every vector of the head. The same chain of
-// fused multiply-adds per value as axpy_rows', in row order from +0: the same bits.
+// out[c ostride + i] = sum over the value rows t < n of p[c np + t] v_t[i], for the DV x VW values i from vh (row t
+// at vh + t stride), the C heads' sums held in registers from the first row to the last: each value is loaded and
+// converted once per pass, and neither the sums nor the weights p go through memory per row, where axpy_rows (the
+// general path) loads and stores every head's sums each 8 rows and broadcasts each p from memory for every vector.
+// The same chain of fused multiply-adds per value as axpy_rows', in row order from +0: the same bits.
 template <int TY, int C, int DV>
-void values_reg(const uint8_t* vh, int64_t n, const float* p, int64_t np, float* out) {
-  constexpr int64_t row = DV * VW * unit_bytes(TY);
+void values_reg(const uint8_t* vh, int64_t stride, int64_t n, const float* p, int64_t np, float* out,
+                int64_t ostride) {
+  constexpr int64_t bytes = DV * VW * unit_bytes(TY);  // of a row, per pass
   vf acc[C][DV];
   for (int c = 0; c < C; ++c)
     for (int k = 0; k < DV; ++k) acc[c][k] = vzero();
   for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* v = vh + t * row;
+    const uint8_t* v = vh + t * stride;
     if (t + 4 < n)  // 4 rows ahead, into L1 (attend_group prefetched them into L2)
-      for (int64_t a = 0; a < row; a += 64) prefetch(v + 4 * row + a);
+      for (int64_t a = 0; a < bytes; a += 64) prefetch(v + 4 * stride + a);
     vf h[C];
     for (int c = 0; c < C; ++c) h[c] = vset1(p[c * np + t]);
     for (int k = 0; k < DV; ++k) {
@@ -114,34 +115,33 @@ void values_reg(const uint8_t* vh, int64_t n, const float* p, int64_t np, float*
     }
   }
   for (int c = 0; c < C; ++c)
-    for (int k = 0; k < DV; ++k) vstore(out + c * DV * VW + k * VW, acc[c][k]);
+    for (int k = 0; k < DV; ++k) vstore(out + c * ostride + k * VW, acc[c][k]);
 }
 
-// values_reg over a kv group's C heads in parts whose sums fit the registers with room for one value vector and the
-// weights: 4 heads of 64 values or 2 of 128 on AVX-512 (32 registers of 16 floats), 1 head of 64 elsewhere (16 of 8);
-// a part after the first reads the value rows again, from cache (the 1B llama's 8 query heads a kv head: 2 parts).
-// False for other head sizes: the caller's general path.
+// values_reg over a kv group's C heads in passes whose sums fit the registers with room for one value vector and the
+// weights: 4 vectors of values (64 on AVX-512, 32 on AVX2) for up to 4 heads on AVX-512 (32 registers), 2 on AVX2
+// (16). A head of D values takes D / (4 VW) passes over the value rows, a group of C heads that many times C / 4 (or
+// C / 2), each after the first reading the rows from cache. False where D is not a multiple of 4 VW: the caller's
+// general path.
 template <int TY>
 bool values_in_registers(int64_t C, int64_t D, const uint8_t* vh, int64_t n, const float* p, int64_t np,
                          float* out) {
-  constexpr bool wide = VW == 16;
-  if (n < 1 || !(D == 64 || (D == 128 && wide))) return false;
-  const int64_t most = !wide ? 1 : D == 64 ? 4 : 2;
-  for (int64_t c = 0; c < C; c += most) {
-    const int64_t k = std::min(most, C - c);
-    const float* pc = p + c * np;
-    float* oc = out + c * D;
-    if (D == 128) {
-      if (k == 1) values_reg<TY, 1, 128 / VW>(vh, n, pc, np, oc);
-      else if constexpr (wide) values_reg<TY, 2, 128 / VW>(vh, n, pc, np, oc);
-    } else if (k == 1) {
-      values_reg<TY, 1, 64 / VW>(vh, n, pc, np, oc);
-    } else if constexpr (wide) {
-      if (k == 2) values_reg<TY, 2, 64 / VW>(vh, n, pc, np, oc);
-      else if (k == 3) values_reg<TY, 3, 64 / VW>(vh, n, pc, np, oc);
-      else values_reg<TY, 4, 64 / VW>(vh, n, pc, np, oc);
+  constexpr int DV = 4, HEADS = VW == 16 ? 4 : 2;
+  constexpr int64_t W = DV * VW;  // values per pass
+  if (n < 1 || D % W != 0) return false;
+  const int64_t stride = D * unit_bytes(TY);
+  for (int64_t c = 0; c < C; c += HEADS)
+    for (int64_t i = 0; i < D; i += W) {
+      const uint8_t* v = vh + i * unit_bytes(TY);
+      const float* pc = p + c * np;
+      float* oc = out + c * D + i;
+      switch (std::min<int64_t>(HEADS, C - c)) {
+        case 1: values_reg<TY, 1, DV>(v, stride, n, pc, np, oc, D); break;
+        case 2: values_reg<TY, 2, DV>(v, stride, n, pc, np, oc, D); break;
+        case 3: if constexpr (HEADS > 2) values_reg<TY, 3, DV>(v, stride, n, pc, np, oc, D); break;
+        default: if constexpr (HEADS > 3) values_reg<TY, 4, DV>(v, stride, n, pc, np, oc, D); break;
+      }
     }
-  }
   return true;
 }
 
