@@ -51,9 +51,10 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # Matrix types pinfer's kernels do not read: the runtime re-encodes them when it loads the model (runtime/weights.py
 # runnable: Q4_K as Q4_1, 20 bytes per 32 values; the others as Q8_0, 34), so that is what they cost in memory, VRAM
 # and bytes per token; a test keeps this table equal to the runtime's choice. Row-read tables (token_embd) stay as
-# stored.
+# stored. (Q6_K is read in place on the CPU; a Q6_K matrix placed on the GPU goes as Q8_0, 34 bytes per 32 values
+# against 26.25, which this estimate does not count: its output head and attn_v are a few percent of a model.)
 RUN_AS = {GGMLQuantizationType.Q4_K: 20, GGMLQuantizationType.Q5_0: 34, GGMLQuantizationType.Q5_1: 34,
-          GGMLQuantizationType.Q5_K: 34, GGMLQuantizationType.Q6_K: 34}  # bytes per 32 values as run
+          GGMLQuantizationType.Q5_K: 34}  # bytes per 32 values as run
 
 
 def run_bytes(t: TensorInfo) -> int:

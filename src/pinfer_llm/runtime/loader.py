@@ -2,9 +2,9 @@
 
 No weight is copied: every matrix is a QWeight over the file's read-only memory map (runtime/weights.py), so loading
 is parsing the header plus these views, and a model needs about its file size in memory. Two exceptions, both
-reported in Load.notices: types without a C++ kernel (Q5_0, Q5_1, K-quants) are re-encoded once as Q8_0 (without
-the kernels, everything runs on float32 copies made on first use), and sparse mode over a file without PowerInfer's
-neuron-major ffn_down_t transposes ffn_down once, in memory, in the file's own encoding.
+reported in Load.notices: types without a C++ kernel (Q5_0, Q5_1, Q4_K, Q5_K) are re-encoded once (Q4_K as Q4_1, the
+others as Q8_0; without the kernels, everything runs on float32 copies made on first use), and sparse mode over a
+file without PowerInfer's neuron-major ffn_down_t transposes ffn_down once, in memory, in the file's own encoding.
 """
 
 from __future__ import annotations
@@ -34,7 +34,16 @@ from pinfer_llm.runtime.ffn.sparse import (
 )
 from pinfer_llm.runtime.linear import Embedding, Linear
 from pinfer_llm.runtime.model import BlockWeights, Norm, Transformer
-from pinfer_llm.runtime.weights import QWeight, has_nonfinite, quantize_like, qweight, runnable, vector
+from pinfer_llm.runtime.weights import (
+    ROW_TYPES,
+    QWeight,
+    has_nonfinite,
+    quantize_like,
+    qweight,
+    rows_runnable,
+    runnable,
+    vector,
+)
 
 
 @dataclass
@@ -101,17 +110,18 @@ def transposed(w: QWeight) -> QWeight:
     return quantize_like(qops.rows(w, 0, w.rows).T.contiguous(), target, w.name.replace("ffn_down", "ffn_down_t"))
 
 
-def matrix(f: GGUFFile, name: str, load: Load) -> QWeight:
+def matrix(f: GGUFFile, name: str, load: Load, rows: bool = False) -> QWeight:
     """A weight the layers multiply by, read in place when a C++ kernel reads its type. Other types are re-encoded
     once into one the kernels read: Q4_K (most of a Q4_K_M file) as Q4_1, which holds its sub-blocks up to an f16
-    rounding of their scales, at 1.1x the bytes; Q5_0, Q5_1, Q5_K and Q6_K (llama.cpp's Q4_0 files keep the output
-    head as Q6_K) as Q8_0. A float32 copy would cost 3.8x the memory and the bandwidth of every token (the 1B Q4_0
-    file's Q6_K head: 70 MB as Q8_0, 262 MB as float32)."""
+    rounding of their scales, at 1.1x the bytes; Q5_0, Q5_1 and Q5_K as Q8_0. A float32 copy would cost 3.8x the
+    memory and the bandwidth of every token. Q6_K (llama.cpp's Q4_0 files keep the output head as Q6_K, its Q4_K_M
+    files attn_v and half the ffn_down) is read in place by the dot products (54 MB a token for the 1B Q4_0 file's
+    head, 70 MB as Q8_0); rows=True: neuron rows that axpy adds up (ffn_down_t), which it does not read, so Q8_0."""
     w = qweight(f, name)
-    if w.in_kernel or not qops.available():
+    if not qops.available() or (w.in_kernel and (not rows or w.qtype in ROW_TYPES)):
         return w
     t0 = time.perf_counter()
-    q = runnable(w)
+    q = rows_runnable(w) if w.in_kernel else runnable(w)
     load.requantised_s += time.perf_counter() - t0
     key = (w.type_name, q.type_name)
     load.requantised[key] = load.requantised.get(key, 0) + q.nbytes
@@ -126,12 +136,12 @@ def ffn_rows(f: GGUFFile, cfg: ModelConfig, i: int, sparse: bool, load: Load) ->
     up = matrix(f, t(C.FFN_UP), load)
     down, down_t = None, None
     if cfg.down_transposed:
-        down_t = matrix(f, t(C.FFN_DOWN_T), load)
+        down_t = matrix(f, t(C.FFN_DOWN_T), load, rows=True)
     else:
         w = matrix(f, t(C.FFN_DOWN), load)
         down = Linear([w])
         if sparse and f.has(t(C.FFN_DOWN_T)):  # stored beside ffn_down by `pi-profile --store-down-t`
-            down_t = matrix(f, t(C.FFN_DOWN_T), load)
+            down_t = matrix(f, t(C.FFN_DOWN_T), load, rows=True)
         elif sparse:
             t0 = time.perf_counter()
             down_t = transposed(w)

@@ -19,8 +19,11 @@ from gguf.constants import GGMLQuantizationType as T
 from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, tensor_nbytes
 
-# Types pinfer's C++ kernels read in place; every other readable type is dequantised (gguf.quants) to a float copy.
-KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0})
+# Types pinfer's C++ kernels read in place; every other readable type is re-encoded at load (runnable) or, without
+# the kernels, dequantised (gguf.quants) to a float copy. Q6_K only as a matrix (dot products, runtime/cpu/csrc/
+# kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's copies take ROW_TYPES (rows_runnable).
+KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q6_K})
+ROW_TYPES = KERNEL_TYPES - {T.Q6_K}
 # Types gguf.quants can dequantise: the ones a model may use at all.
 SUPPORTED_TYPES = KERNEL_TYPES | {T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
 
@@ -190,6 +193,11 @@ def runnable(w: QWeight) -> QWeight:
     if w.in_kernel:
         return w
     return as_q4_1(w) if w.qtype == T.Q4_K else as_q8_0(w)
+
+
+def rows_runnable(w: QWeight) -> QWeight:
+    """w in a type that axpy and the GPU kernels read too (ROW_TYPES): itself, or Q6_K re-encoded as Q8_0."""
+    return w if w.qtype not in KERNEL_TYPES or w.qtype in ROW_TYPES else as_q8_0(w)
 
 
 def quantize_like(a: torch.Tensor, qtype: T, name: str) -> QWeight:

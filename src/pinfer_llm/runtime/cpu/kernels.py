@@ -45,7 +45,7 @@ import torch
 
 SRC_DIR = Path(__file__).with_name("csrc")
 KERNEL_SOURCES = ("dot.cpp", "matmul.cpp", "sparse_ffn.cpp", "predictor.cpp", "attention.cpp", "norm.cpp",
-                  "device_layout.cpp", "requant.cpp", "step.cpp")
+                  "device_layout.cpp", "requant.cpp", "step.cpp", "kquant.cpp")
 TORCH_SOURCES = ("torch_bridge.cpp", "ops.cpp")  # the two files that include torch's headers (slow to compile)
 HEADERS = ("simd.h", "quant.h", "kernels.h")
 NAMESPACE = "pinfer"  # torch.ops.pinfer: the runtime's build

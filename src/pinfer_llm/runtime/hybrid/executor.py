@@ -60,7 +60,7 @@ from pinfer_llm.runtime.gpu.weights import STORED_PREDICTOR_TYPES
 from pinfer_llm.runtime.hybrid.placement import GIB, Placement
 from pinfer_llm.runtime.linear import Linear
 from pinfer_llm.runtime.model import Norm, Transformer
-from pinfer_llm.runtime.weights import QWeight
+from pinfer_llm.runtime.weights import QWeight, rows_runnable
 
 ALIGN = 256  # bytes: where each part of a staging buffer starts
 
@@ -245,6 +245,7 @@ def _host(a) -> np.ndarray:
 
 
 def _upload(dev, w: QWeight, rows=None):  # rows: an index array gathering some rows
+    w = rows_runnable(w)  # the device's kernels read the row types: a Q6_K matrix goes as Q8_0
     return dev.upload_matrix(w.data.numpy(), int(w.qtype), w.cols, rows)
 
 
@@ -275,7 +276,7 @@ class DeviceAttention:
         self.norm = bus.norm(b.attn_norm)
         q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         self.bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]  # q, k, v columns of the projections' output
-        ws, bias = b.wqkv.ws, b.bqkv
+        ws, bias = [rows_runnable(w) for w in b.wqkv.ws], b.bqkv
         if len({(int(w.qtype), w.cols) for w in ws}) == 1:
             raw = ws[0].data.numpy() if len(ws) == 1 else np.concatenate([w.data.numpy() for w in ws])
             self.parts = [(dev.upload_matrix(raw, int(ws[0].qtype), ws[0].cols),
@@ -344,7 +345,7 @@ class HybridFFN:
         self.cpu_mask = torch.from_numpy(~on_gpu)
         self.cpu_idx = torch.from_numpy(np.flatnonzero(~on_gpu))
         self.cpu_holds = bool(self.cpu_idx.numel())
-        up, g, dt = rows.up, rows.gate, rows.down_t
+        up, g, dt = rows_runnable(rows.up), None if rows.gate is None else rows_runnable(rows.gate), rows.down_t
         if g is not None and g.qtype != up.qtype:
             raise PinferError(f"{g.name} and {up.name} have different types ({g.type_name}, {up.type_name}); the "
                               f"GPU FFN needs gate and up in one type")

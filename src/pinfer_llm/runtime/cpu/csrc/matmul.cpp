@@ -62,7 +62,7 @@ void qmatmul(const float* x, int64_t T, int64_t K, const std::vector<Mat>& ws, f
   for (size_t m = 0; m < ws.size(); ++m) {
     off[m + 1] = off[m] + ws[m].rows;
     bytes += ws[m].rows * row_bytes(ws[m].type, K);
-    need_q8 |= is_block(ws[m].type);
+    need_q8 |= needs_q8(ws[m].type);
   }
   const int64_t N = off.back();
   if (N == 0 || T == 0) return;

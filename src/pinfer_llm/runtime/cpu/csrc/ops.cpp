@@ -106,7 +106,7 @@ void check_f32(const at::Tensor& t, const char* name) {
 // cols: expected values per row (-1: any).
 Mat as_mat(const at::Tensor& w, int64_t type, int64_t cols, const char* name) {
   TORCH_CHECK(type_known((int)type), name, ": unsupported weight type code ", type,
-              " (F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, BF16 30)");
+              " (F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, Q6_K 14, BF16 30)");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, name, ": a 2-d CPU tensor [rows, row_bytes]");
   const auto st = w.scalar_type();
   const bool dtype_ok = st == at::kByte || (type == F32 && st == at::kFloat) || (type == F16 && st == at::kHalf) ||
@@ -120,11 +120,17 @@ Mat as_mat(const at::Tensor& w, int64_t type, int64_t cols, const char* name) {
   Mat m;
   m.p = static_cast<const uint8_t*>(w.data_ptr());
   m.rows = w.size(0);
-  m.cols = is_block((int)type) ? rb / unit * QK : rb / unit;
+  m.cols = rb / unit * unit_values((int)type);
   m.stride = w.size(0) > 1 ? w.stride(0) * es : rb;
   m.type = (int)type;
   TORCH_CHECK(cols < 0 || m.cols == cols, name, ": ", m.cols, " values per row, expected ", cols);
   return m;
+}
+
+// neuron rows that axpy reads (ffn_down_t, a transposed fc2): not Q6_K, which only dot products read (quant.h)
+void check_axpy(const Mat& m, const char* name) {
+  TORCH_CHECK(!is_kquant(m.type), name, ": ", type_name(m.type), " rows are read by dot products only; neuron rows "
+              "(axpy) must be re-encoded (runtime/weights.py as_q8_0)");
 }
 
 void check_ids(const int64_t* p, int64_t n, int64_t hi, const char* name) {
@@ -172,6 +178,7 @@ std::tuple<at::Tensor, int64_t> qffn_sparse_op(const at::Tensor& x, const std::o
     TORCH_CHECK(f.gate.rows == n_ff, "gate and up: the same number of rows (n_ff)");
   }
   f.down_t = as_mat(down_t, down_type, f.d, "down_t");
+  check_axpy(f.down_t, "down_t");
   TORCH_CHECK(f.down_t.rows == n_ff, "down_t: [n_ff, d] (row i = neuron i's output column)");
   f.k = n_ff;
   if (idx.has_value()) {
@@ -213,6 +220,7 @@ at::Tensor qpredict_active_op(const at::Tensor& x, const at::Tensor& fc1, int64_
   TORCH_CHECK(x.dim() == 1 || (x.dim() == 2 && x.size(0) == 1), "x: one token, [d] or [1, d]");
   const Mat m1 = as_mat(fc1, fc1_type, x.numel(), "fc1");
   const Mat m2 = as_mat(fc2, fc2_type, fc2_transposed ? -1 : m1.rows, "fc2");
+  if (fc2_transposed) check_axpy(m2, "fc2");
   TORCH_CHECK(!fc2_transposed || m2.rows == m1.rows, "fc2 (transposed): [r, n_ff] with r = fc1's rows");
   const int64_t n_ff = fc2_transposed ? m2.cols : m2.rows;
   const int64_t* ap = nullptr;
@@ -565,6 +573,7 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(!L.gate.p || L.gate.rows == L.up.rows, "gate and up: the same number of rows");
     const int64_t n_ff = L.up.rows;
     L.down = mat(down, down_type, kind == FFN_MM ? n_ff : d, "down");
+    if (kind != FFN_MM) check_axpy(L.down, "down");
     TORCH_CHECK(L.down.rows == (kind == FFN_MM ? d : n_ff),
                 kind == FFN_MM ? "down: ffn_down [d, n_ff]" : "down: ffn_down_t [n_ff, d]");
     L.act = (int)act;
@@ -579,6 +588,7 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(L.kind == FFN_PRED, "set_predictor: for a layer of kind 2, after set_ffn");
     L.fc1 = mat(fc1, fc1_type, shape.d, "fc1");
     L.fc2 = mat(fc2, fc2_type, fc2_transposed ? L.up.rows : L.fc1.rows, "fc2");
+    if (fc2_transposed) check_axpy(L.fc2, "fc2");
     TORCH_CHECK(fc2_transposed ? L.fc2.rows == L.fc1.rows : L.fc2.rows == L.up.rows, "fc2: [n_ff, r] or [r, n_ff]");
     L.fc2_transposed = fc2_transposed, L.threshold = (float)threshold;
     L.always.clear();

@@ -40,7 +40,7 @@ void predict_hidden(const float* x, int64_t T, int64_t xs, const Mat& fc1, int64
   if (e <= b || T <= 0) return;
   thread_local Acts a;
   thread_local std::vector<const uint8_t*> rows;
-  a.prepare(x, T, fc1.cols, xs, is_block(fc1.type));
+  a.prepare(x, T, fc1.cols, xs, needs_q8(fc1.type));
   rows.resize(e - b);
   for (int64_t i = b; i < e; ++i) rows[i - b] = fc1.row(i);
   dot_rows(fc1.type, rows.data(), e - b, a, hidden + b, hs);
@@ -60,7 +60,7 @@ void predict_range(const float* hidden, int64_t T, int64_t hs, const Mat& fc1, c
   thread_local std::vector<const uint8_t*> rows;
   if (!fc2_transposed) {  // all tokens in one pass over fc2's rows
     thread_local Acts a;
-    a.prepare(hidden, T, r, hs, is_block(fc2.type));
+    a.prepare(hidden, T, r, hs, needs_q8(fc2.type));
     rows.resize(c1 - c0);
     for (int64_t i = c0; i < c1; ++i) rows[i - c0] = fc2.row(i);
     dot_rows(fc2.type, rows.data(), c1 - c0, a, scores.data() + c0, n_ff);

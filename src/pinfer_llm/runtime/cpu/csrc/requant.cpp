@@ -23,7 +23,7 @@ namespace pinfer {
 
 namespace {
 
-constexpr int Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+constexpr int Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13;  // Q6_K: quant.h
 
 // the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4)
 inline void scale_min(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {
@@ -71,7 +71,10 @@ void q45k_row(const uint8_t* b, int64_t nb, bool five, float* y) {
   }
 }
 
-void q6k_row(const uint8_t* b, int64_t nb, float* y) {
+}  // namespace
+
+// (also the kernels' Q6_K dequantisation: kernels.h)
+void q6k_to_f32(const uint8_t* b, int64_t nb, float* y) {
   for (int64_t i = 0; i < nb; ++i, b += 210) {
     const float d = f16_to_f32(rd_u16(b + 208));
     const uint8_t* ql = b;
@@ -90,6 +93,8 @@ void q6k_row(const uint8_t* b, int64_t nb, float* y) {
     }
   }
 }
+
+namespace {
 
 // ggml's quantize_row_q8_0_ref: per block of 32, d = max|x| / 127 (stored as f16), q = roundf(x * (1 / d)). The AVX2
 // path gives the same bytes: roundf (halves away from zero) is trunc(v) plus sign(v) where |v - trunc(v)| >= 0.5, a
@@ -190,7 +195,7 @@ void requant_q8_0(const uint8_t* in, int64_t n, int64_t in_stride, int ty, int64
       if (ty == Q5_1)
         q5_1_row(src, cols / 32, y.data());
       else if (ty == Q6_K)
-        q6k_row(src, cols / 256, y.data());
+        q6k_to_f32(src, cols / 256, y.data());
       else
         q45k_row(src, cols / 256, ty == Q5_K, y.data());
       to_q8_0(y.data(), cols, out + r * ob);

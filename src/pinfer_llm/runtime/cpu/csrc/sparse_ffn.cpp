@@ -287,7 +287,7 @@ void sparse_begin(SparseRun& s, const FFN& f, float* y, int nt) {
   s.busy.clear(), s.nonzero.clear(), s.one.clear();
   s.next.store(0, std::memory_order_relaxed);
   if (T == 0 || k == 0) return;
-  s.a.prepare(f.x, T, d, d, is_block(f.up.type) || (f.gate.p && is_block(f.gate.type)));
+  s.a.prepare(f.x, T, d, d, needs_q8(f.up.type) || (f.gate.p && needs_q8(f.gate.type)));
   bool ascending = true;
   for (int64_t j = 1; f.idx && j < k && ascending; ++j) ascending = f.idx[j] > f.idx[j - 1];
   // the tokens one by one, views into a, for by_rows (a batch of rows masked each to its own neurons)

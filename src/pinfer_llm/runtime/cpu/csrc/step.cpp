@@ -265,7 +265,7 @@ void share(int64_t n, int p, int P, int64_t unit, int64_t& b, int64_t& e) {
 
 bool need_q8(const std::vector<Mat>& ws) {
   for (const Mat& m : ws)
-    if (is_block(m.type)) return true;
+    if (needs_q8(m.type)) return true;
   return false;
 }
 
@@ -422,10 +422,10 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
         for (int64_t t = 0; t < T; ++t) sparse_reduce(run, t * d + b, t * d + e);
         if (p == 0) active[l] += L.kind == FFN_PRED ? predicted : sparse_end(run);
       } else {  // ffn_down: this thread's neurons' gate and up rows and activations, then its rows of ffn_down
-        acts.prepare(xin, T, d, d, is_block(L.up.type) || (gated && is_block(L.gate.type)));
+        acts.prepare(xin, T, d, d, needs_q8(L.up.type) || (gated && needs_q8(L.gate.type)));
         share(nf, p, P, QK, b, e);  // whole q8 blocks of the activations
         const int64_t k = e - b;
-        const bool q8_down = is_block(L.down.type) && nf % QK == 0;
+        const bool q8_down = needs_q8(L.down.type) && nf % QK == 0;
         gu.resize(2 * T * k);
         float *g = gu.data(), *u = g + T * k;
         if (k > 0) {
@@ -444,7 +444,7 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
           if (q8_down) h_q8.quantize_blocks(hbuf + t * nf, t, b / QK, e / QK);
         }
         bar.wait();
-        if (q8_down || !is_block(L.down.type))
+        if (q8_down || !needs_q8(L.down.type))
           acts.attach(hbuf, T, nf, nf, q8_down ? &h_q8 : nullptr);
         else
           acts.prepare(hbuf, T, nf, nf, true);
