@@ -1,11 +1,16 @@
 """A K-quant file as pinfer runs it, against the re-encodings it could take instead: Q4_K (most of llama.cpp's
-Q4_K_M) is re-encoded as Q4_1 by default, against as Q8_0; Q6_K (Q4_K_M's attn_v and half its ffn_down, the output
-head of llama.cpp's Q4_0 files) is read in place by default, against re-encoded as Q8_0.
+Q4_K_M) and Q6_K (Q4_K_M's attn_v and half its ffn_down, the output head of llama.cpp's Q4_0 files) are read in place
+by default, against Q4_K re-encoded as Q4_1 (the default until 2026-12-07) or as Q8_0, and Q6_K as Q8_0.
 
     python benchmarks/kquant.py --model m-q4_k_m.gguf                        # memory, load, paired decode speed
     python benchmarks/kquant.py --model m-q4_0.gguf                          # a Q4_0 file's Q6_K head alone
     python benchmarks/kquant.py --model m-q4_k_m.gguf --llamacpp             # + logits against llama.cpp's own
     python benchmarks/kquant.py --model m-q4_k_m.gguf --original m-f16.gguf  # + logits against the unquantised model
+    python benchmarks/kquant.py --kernels                                    # the kernels alone, no model file
+
+--kernels times torch.ops.pinfer.qmatmul on random K-quant matrices against their re-encodings (Q4_K / Q4_1,
+Q6_K / Q8_0) at 1B shapes and several token counts, enough copies of each to read from beyond the caches, in
+alternated rounds (median of per-round time ratios; below 1, in place is faster).
 
 The variants load in one process (the default is runtime.weights.runnable's choice; each other forces one type's
 re-encoding, and only the types the file holds are tried). Reported: the load notice (re-encoded bytes and seconds)
@@ -29,15 +34,63 @@ sys.path[:0] = [str(_TREE), str(_TREE / "src")]  # the checkout, without an inst
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def kernels(threads: int, rounds: int) -> None:
+    import torch
+    from gguf.constants import GGMLQuantizationType as T
+    from qblocks import weights
+
+    from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+    from pinfer_llm.runtime.weights import QWeight, as_q4_1, as_q8_0
+
+    if not cpu_kernels.available():
+        raise SystemExit(f"the C++ kernels are not available: {cpu_kernels.status()}")
+    cpu_kernels.set_threads(threads)
+    cases = [(T.Q4_K, as_q4_1, 11264, 2048, (1, 2, 4)), (T.Q4_K, as_q4_1, 2048, 5632, (1, 4, 16, 63)),
+             (T.Q6_K, as_q8_0, 32000, 2048, (1, 2, 4)), (T.Q6_K, as_q8_0, 2048, 5632, (1, 4, 16, 63))]
+    out = []
+    for t, reencode, rows, cols, ts in cases:
+        nbytes = weights(1, cols, t, 0).numel() * rows
+        copies = max(2, (400 << 20) // nbytes)  # ~400 MB of each: read from memory, not a cache
+        kq = [QWeight("w", t, rows, cols, weights(rows, cols, t, i)) for i in range(copies)]
+        re = [reencode(w) for w in kq]
+        for n_tok in ts:
+            x = torch.randn(n_tok, cols)
+            times = {"in_place": [], "re_encoded": []}
+            for r in range(rounds):
+                pair = (("in_place", kq), ("re_encoded", re))
+                for name, ws in pair if r % 2 == 0 else pair[::-1]:
+                    t0 = time.perf_counter()
+                    for w in ws:
+                        torch.ops.pinfer.qmatmul(x, [w.data], [int(w.qtype)], 1 << 30)
+                    times[name].append((time.perf_counter() - t0) / len(ws))
+            ratios = [a / b for a, b in zip(times["in_place"], times["re_encoded"], strict=True)]
+            us = statistics.median(times["in_place"]) * 1e6
+            row = {"type": t.name, "against": re[0].type_name, "shape": [rows, cols], "tokens": n_tok,
+                   "in_place_us": round(us, 1), "re_encoded_us": round(statistics.median(times["re_encoded"]) * 1e6, 1),
+                   "time_ratio": round(statistics.median(ratios), 3), "ratio_range": [round(min(ratios), 3),
+                                                                                      round(max(ratios), 3)],
+                   "in_place_gb_s": round(nbytes / us / 1e3, 1)}
+            out.append(row)
+            print(f"{t.name} {rows} x {cols}, {n_tok} token(s): {row['in_place_us']} us ({row['in_place_gb_s']} GB/s) "
+                  f"against {row['against']} {row['re_encoded_us']} us: {row['time_ratio']}x the time "
+                  f"({row['ratio_range'][0]}-{row['ratio_range'][1]})", file=sys.stderr)
+    print(json.dumps({"threads": threads, "rounds": rounds, "kernels": out}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--kernels", action="store_true", help="time the kernels on random matrices instead of a model")
     ap.add_argument("--original", help="the unquantised file the K-quant one was made from, as a logits reference")
     ap.add_argument("--llamacpp", action="store_true", help="compare logits with llama.cpp's (llama-cpp-python)")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.kernels:
+        return kernels(args.threads, args.rounds)
+    if not args.model:
+        ap.error("--model FILE (or --kernels)")
 
     import torch
     from llamacpp_logits import compare
@@ -54,18 +107,20 @@ def main() -> None:
     held = {t.ggml_type for t in f.tensors.values()}
     f.close()
     kernel_types = weights.KERNEL_TYPES
-    variants = {"default": weights.runnable}  # name -> the loader's re-encoding, and the kernel types it reads
+    as_q8_0 = lambda w: w if w.in_kernel else weights.as_q8_0(w)  # noqa: E731
+    # name -> the type taken out of the kernels' table (so the loader re-encodes it) and the loader's re-encoding
+    variants = {"default": (None, weights.runnable)}
     if T.Q4_K in held:
-        variants["q4_k_as_q8_0"] = lambda w: w if w.in_kernel else weights.as_q8_0(w)
+        variants["q4_k_as_q4_1"] = (T.Q4_K, weights.runnable)
+        variants["q4_k_as_q8_0"] = (T.Q4_K, as_q8_0)
     if T.Q6_K in held:
-        variants["q6_k_as_q8_0"] = weights.runnable
+        variants["q6_k_as_q8_0"] = (T.Q6_K, weights.runnable)
     if len(variants) == 1:
         raise SystemExit(f"{args.model}: no Q4_K or Q6_K tensors, nothing to compare")
     models, res = {}, {"model": args.model, "threads": args.threads, "variants": {}}
-    for name, fn in variants.items():
+    for name, (out, fn) in variants.items():
         loader.runnable = fn
-        # Q6_K as Q8_0: the kernels' table without Q6_K, so the loader takes it for a type to re-encode
-        weights.KERNEL_TYPES = kernel_types - {T.Q6_K} if name == "q6_k_as_q8_0" else kernel_types
+        weights.KERNEL_TYPES = kernel_types - {out} if out else kernel_types
         t0 = time.perf_counter()
         try:
             models[name] = load_model(args.model, threads=args.threads, ctx_size=max(512, args.tokens + 8))

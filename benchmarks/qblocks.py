@@ -9,9 +9,18 @@ import torch
 BLOCK = {2: 18, 3: 20, 8: 34}  # bytes per 32-value block: Q4_0, Q4_1, Q8_0
 
 
+KQUANT = {12: (144, 0, 4), 14: (210, 208, 210)}  # bytes per 256-value super-block, its f16 scales' byte range
+
+
 def weights(rows: int, cols: int, t: int, seed: int) -> torch.Tensor:
-    """Random weights in type t as uint8 [rows, row_bytes], scales 0.01 (no subnormal or nan arithmetic)."""
+    """Random weights in type t as uint8 [rows, row_bytes], scales 0.01 (no subnormal or nan arithmetic); for the
+    K-quants Q4_K (12) and Q6_K (14), random sub-block scales under super-block scales 0.001."""
     rng = np.random.default_rng(seed)
+    if t in KQUANT:
+        bb, s0, s1 = KQUANT[t]
+        raw = rng.integers(0, 256, (rows, cols // 256, bb), dtype=np.uint8)
+        raw[..., s0:s1] = np.frombuffer(np.float16(0.001).tobytes() * ((s1 - s0) // 2), np.uint8)
+        return torch.from_numpy(raw.reshape(rows, -1))
     if t not in BLOCK:
         w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
         if t == 1:

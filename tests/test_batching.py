@@ -245,21 +245,37 @@ def test_step_and_python_forward_agree(model):
     assert torch.equal(fused, python)
 
 
+def random_q4_k(shape: tuple[int, int], rng) -> np.ndarray:
+    """Random Q4_K rows (gguf cannot write Q4_K): random quants, 6-bit scales and mins under d = dmin = 1e-4."""
+    rows, cols = shape
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:4] = np.frombuffer(np.float16(1e-4).tobytes() * 2, np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 @pytest.fixture(scope="module")
 def wide_relu(tmp_path_factory):
     """A ReLU model in PowerInfer's layout wide enough (512 neurons) that the sparse kernels split their work across
-    two threads, in F32 and in Q4_0 (whose several-token axpy differs from its one-token one)."""
+    two threads, in F32 and in Q4_0 (whose several-token axpy differs from its one-token one); and 256 wide in Q4_K
+    (its gate and up rows read in place, its ffn_down_t rows re-encoded as Q4_1, which axpy reads)."""
     cfg = tiny_config(n_layer=2, n_ctx_train=256, n_ff=512, n_embd=128)
     w = to_powerinfer_layout(cfg, random_weights(cfg), rank=32)
-    paths = {"f32": tmp_path_factory.mktemp("wide") / "f32.gguf", "q4_0": tmp_path_factory.mktemp("wide") / "q4.gguf"}
+    d = tmp_path_factory.mktemp("wide")
+    paths = {"f32": d / "f32.gguf", "q4_0": d / "q4.gguf", "q4_k": d / "q4_k.gguf"}
     write_llama(paths["f32"], cfg, w, powerinfer=True)
     q = {n: RawTensor(quants.quantize(a.astype(np.float32), T.Q4_0), T.Q4_0, a.shape)
          if a.ndim == 2 and n != C.TOKEN_EMBD and "fc" not in n else a for n, a in w.items()}
     write_llama(paths["q4_0"], cfg, q, powerinfer=True)
+    cfg = tiny_config(n_layer=2, n_ctx_train=256, n_ff=512, n_embd=256)
+    w, rng = to_powerinfer_layout(cfg, random_weights(cfg), rank=32), np.random.default_rng(7)
+    q = {n: RawTensor(random_q4_k(a.shape, rng), T.Q4_K, a.shape)
+         if a.ndim == 2 and n != C.TOKEN_EMBD and "fc" not in n and a.shape[1] % 256 == 0 else a for n, a in w.items()}
+    assert {n.split(".")[-2] for n, a in q.items() if isinstance(a, RawTensor)} >= {"ffn_gate", "ffn_up", "ffn_down_t"}
+    write_llama(paths["q4_k"], cfg, q, powerinfer=True)
     return paths
 
 
-@pytest.mark.parametrize("qtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("qtype", ["f32", "q4_0", "q4_k"])
 @pytest.mark.parametrize("mode", ["oracle", "sparse"])
 def test_prefill_of_a_sparse_model_is_the_bits_of_its_decode_steps(wide_relu, qtype, mode):
     """With two threads a prompt's chunked prefill gives each row the logits that row gets decoded alone, although
@@ -278,7 +294,7 @@ def test_prefill_of_a_sparse_model_is_the_bits_of_its_decode_steps(wide_relu, qt
 
 
 @pytest.mark.parametrize("use_step", [True, False])
-@pytest.mark.parametrize("qtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("qtype", ["f32", "q4_0", "q4_k"])
 @pytest.mark.parametrize("mode", ["oracle", "sparse", "sparse-fc2-stored"])
 def test_batched_rows_of_a_sparse_model_are_the_bits_of_each_alone(wide_relu, qtype, mode, use_step):
     """Two threads, rows of three sequences in one forward (the C++ step's decode_team, or the Python forward): the

@@ -241,54 +241,63 @@ def test_qmatmul_tokens_get_their_bits_alone(ops, name, rows, cols):
         assert torch.equal(ops.qmatmul(xt[:T], [w], [t], 1 << 30), alone[:T]), T
 
 
-# --- Q6_K: read in place by dot products (runtime/cpu/csrc/kquant.cpp) ----------------------------------------------
+# --- K-quants: Q4_K and Q6_K read in place by dot products (runtime/cpu/csrc/kquant.cpp) ----------------------------
 
-Q6_K = 14
+Q4_K, Q6_K = 12, 14
+KQUANTS = {"Q4_K": Q4_K, "Q6_K": Q6_K}
 
 
-def encode_q6k(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
-    """Random Q6_K rows, uint8 [rows, cols / 256 * 210]: every bit pattern of ql, qh and the int8 scales, and half
-    float super-block scales d of both signs."""
-    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
-    raw[..., 208:] = (rng.standard_normal((rows, cols // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
+def encode_kquant(rng: np.random.Generator, rows: int, cols: int, t: int) -> np.ndarray:
+    """Random Q4_K or Q6_K rows, uint8 [rows, cols / 256 * unit bytes]: every bit pattern of the quants and the 6-bit
+    or int8 sub-block scales (and Q4_K's mins), and half float super-block scales of both signs."""
+    if t == Q6_K:
+        raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+        raw[..., 208:] = (rng.standard_normal((rows, cols // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        raw[..., 0:4] = (rng.standard_normal((rows, cols // 256, 2)) * 2e-3).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
+@pytest.mark.parametrize("name", KQUANTS)
 @pytest.mark.parametrize("rows,cols,T", [(1, 256, 1), (7, 512, 2), (33, 768, 5), (257, 2048, 1), (9, 4096, 17),
                                          (33, 256, 100)])
-def test_q6k_dot_products(ops, rows, cols, T):
-    """Q6_K rows against the values gguf decodes them to: qdequant exactly; the dot products of the streaming path
+def test_kquant_dot_products(ops, name, rows, cols, T):
+    """K-quant rows against the values gguf decodes them to: qdequant exactly; the dot products of the streaming path
     exact for the q8 activations they use (and within the q8 bound of fp32), the GEMM path's exact in fp32."""
-    rng = np.random.default_rng(rows * 7 + cols + T)
-    raw = encode_q6k(rng, rows, cols)
-    wref = quants.dequantize(raw, GT.Q6_K).reshape(rows, cols)
+    t = KQUANTS[name]
+    rng = np.random.default_rng(rows * 7 + cols + T + t)
+    raw = encode_kquant(rng, rows, cols, t)
+    wref = quants.dequantize(raw, GT(t)).reshape(rows, cols)
     w = place(raw, 1 + cols % 61)
-    assert np.array_equal(ops.qdequant(w, Q6_K).numpy(), wref)
+    assert np.array_equal(ops.qdequant(w, t).numpy(), wref)
     x = rng.standard_normal((T, cols)).astype(np.float32)
     xt = torch.from_numpy(x)
-    streaming, gemm = ops.qmatmul(xt, [w], [Q6_K], 1 << 30), ops.qmatmul(xt, [w], [Q6_K], 1)
-    assert_dot_close(streaming, wref.astype(np.float64), x, Q6_K, True, "streaming")
-    assert_dot_close(gemm, wref.astype(np.float64), x, Q6_K, False, "gemm")
-    assert torch.equal(ops.qmatmul(xt, [w], [Q6_K]), streaming if T < ops.gemm_min_t() else gemm)
+    streaming, gemm = ops.qmatmul(xt, [w], [t], 1 << 30), ops.qmatmul(xt, [w], [t], 1)
+    assert_dot_close(streaming, wref.astype(np.float64), x, t, True, "streaming")
+    assert_dot_close(gemm, wref.astype(np.float64), x, t, False, "gemm")
+    assert torch.equal(ops.qmatmul(xt, [w], [t]), streaming if T < ops.gemm_min_t() else gemm)
     ids = torch.tensor([rows - 1, 0, rows // 2])
-    assert np.array_equal(ops.qembed(w, Q6_K, ids).numpy(), wref[ids.numpy()])
+    assert np.array_equal(ops.qembed(w, t, ids).numpy(), wref[ids.numpy()])
 
 
-def test_q6k_row_bits_are_the_same_alone_in_a_batch_and_in_every_build(kernel_builds):
-    """A Q6_K row's sum for a token is the same bits whatever tokens share the call and whichever rows sit beside it
-    (a fused matrix of mixed types), and in every build: AVX-512, AVX2 without VNNI, the portable loop."""
+@pytest.mark.parametrize("name", KQUANTS)
+def test_kquant_row_bits_are_the_same_alone_in_a_batch_and_in_every_build(kernel_builds, name):
+    """A K-quant row's sum for a token is the same bits whatever tokens share the call and whichever rows sit beside
+    it (a fused matrix of mixed types), and in every build: AVX-512, AVX2 without VNNI, the portable loop."""
+    t = KQUANTS[name]
     rng = np.random.default_rng(5)
     rows, cols = 45, 1024
-    raw = encode_q6k(rng, rows, cols)
+    raw = encode_kquant(rng, rows, cols, t)
     w = place(raw, 3)
     q4 = place(encode(rng, 11, cols, Q4_0), 5)
     xt = torch.from_numpy(rng.standard_normal((13, cols)).astype(np.float32))
     got = {}
     for build, ops in kernel_builds.items():
-        alone = torch.cat([ops.qmatmul(xt[i:i + 1], [w], [Q6_K], 1 << 30) for i in range(13)])
+        alone = torch.cat([ops.qmatmul(xt[i:i + 1], [w], [t], 1 << 30) for i in range(13)])
         for T in (2, 4, 5, 13):
-            assert torch.equal(ops.qmatmul(xt[:T], [w], [Q6_K], 1 << 30), alone[:T]), (build, T)
-        fused = ops.qmatmul(xt[:6], [q4, w], [Q4_0, Q6_K], 1 << 30)
+            assert torch.equal(ops.qmatmul(xt[:T], [w], [t], 1 << 30), alone[:T]), (build, T)
+        fused = ops.qmatmul(xt[:6], [q4, w], [Q4_0, t], 1 << 30)
         assert torch.equal(fused[:, 11:], alone[:6]), build
         got[build] = alone
     first = next(iter(got.values()))
@@ -296,16 +305,18 @@ def test_q6k_row_bits_are_the_same_alone_in_a_batch_and_in_every_build(kernel_bu
         assert torch.equal(alone, first), build
 
 
-def test_q6k_rows_are_refused_as_neuron_rows(ops):
-    """axpy (ffn_down_t, a transposed predictor fc2) has no Q6_K path: an op given such rows says so instead of
+@pytest.mark.parametrize("name", KQUANTS)
+def test_kquant_rows_are_refused_as_neuron_rows(ops, name):
+    """axpy (ffn_down_t, a transposed predictor fc2) has no K-quant path: an op given such rows says so instead of
     computing nothing."""
+    t = KQUANTS[name]
     rng = np.random.default_rng(3)
     d, n_ff = 256, 64
     up = torch.from_numpy(encode(rng, n_ff, d, Q8_0))
-    down_t = torch.from_numpy(encode_q6k(rng, n_ff, d))
+    down_t = torch.from_numpy(encode_kquant(rng, n_ff, d, t))
     x = torch.from_numpy(rng.standard_normal((1, d)).astype(np.float32))
-    with pytest.raises(RuntimeError, match="Q6_K rows are read by dot products only"):
-        ops.qffn_sparse(x, None, 0, up, Q8_0, down_t, Q6_K, None, None, 3, None, 0.0)
+    with pytest.raises(RuntimeError, match=f"{name} rows are read by dot products only"):
+        ops.qffn_sparse(x, None, 0, up, Q8_0, down_t, t, None, None, 3, None, 0.0)
 
 
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16"])

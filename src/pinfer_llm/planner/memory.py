@@ -49,11 +49,11 @@ _PREDICTOR = (C.PRED_FC1, C.PRED_FC2)
 _NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS, C.ACT_PEAK)  # plans and statistics: not part of what is placed
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # Matrix types pinfer's kernels do not read: the runtime re-encodes them when it loads the model (runtime/weights.py
-# runnable: Q4_K as Q4_1, 20 bytes per 32 values; the others as Q8_0, 34), so that is what they cost in memory, VRAM
-# and bytes per token; a test keeps this table equal to the runtime's choice. Row-read tables (token_embd) stay as
-# stored. (Q6_K is read in place on the CPU; a Q6_K matrix placed on the GPU goes as Q8_0, 34 bytes per 32 values
-# against 26.25, which this estimate does not count: its output head and attn_v are a few percent of a model.)
-RUN_AS = {GGMLQuantizationType.Q4_K: 20, GGMLQuantizationType.Q5_0: 34, GGMLQuantizationType.Q5_1: 34,
+# runnable: as Q8_0, 34 bytes per 32 values), so that is what they cost in memory, VRAM and bytes per token; a test
+# keeps this table equal to the runtime's choice. Row-read tables (token_embd) stay as stored. (The K-quants Q4_K and
+# Q6_K are read in place on the CPU; a K-quant matrix placed on the GPU goes as Q4_1 or Q8_0, 20 bytes per 32 values
+# against 18, or 34 against 26.25, which this estimate does not count.)
+RUN_AS = {GGMLQuantizationType.Q5_0: 34, GGMLQuantizationType.Q5_1: 34,
           GGMLQuantizationType.Q5_K: 34}  # bytes per 32 values as run
 
 

@@ -2,9 +2,10 @@
 
 No weight is copied: every matrix is a QWeight over the file's read-only memory map (runtime/weights.py), so loading
 is parsing the header plus these views, and a model needs about its file size in memory. Two exceptions, both
-reported in Load.notices: types without a C++ kernel (Q5_0, Q5_1, Q4_K, Q5_K) are re-encoded once (Q4_K as Q4_1, the
-others as Q8_0; without the kernels, everything runs on float32 copies made on first use), and sparse mode over a
-file without PowerInfer's neuron-major ffn_down_t transposes ffn_down once, in memory, in the file's own encoding.
+reported in Load.notices: types without a C++ kernel (Q5_0, Q5_1, Q5_K) are re-encoded once as Q8_0 (so are the
+K-quants Q4_K and Q6_K where they would be neuron rows, which only Q4_1 and Q8_0 give; without the kernels, everything
+runs on float32 copies made on first use), and sparse mode over a file without PowerInfer's neuron-major ffn_down_t
+transposes ffn_down once, in memory, in the file's own encoding.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Load:
     float_copies: dict[str, int] = field(default_factory=dict)  # type name -> bytes of float32 copies
     requantised: dict[tuple[str, str], int] = field(default_factory=dict)  # (type, its re-encoding) -> bytes
     requantised_s: float = 0.0
+    requantised_rows: set[str] = field(default_factory=set)  # kernel types re-encoded only as neuron rows (K-quants)
     transposed_bytes: int = 0
     transposed_s: float = 0.0
 
@@ -112,16 +114,18 @@ def transposed(w: QWeight) -> QWeight:
 
 def matrix(f: GGUFFile, name: str, load: Load, rows: bool = False) -> QWeight:
     """A weight the layers multiply by, read in place when a C++ kernel reads its type. Other types are re-encoded
-    once into one the kernels read: Q4_K (most of a Q4_K_M file) as Q4_1, which holds its sub-blocks up to an f16
-    rounding of their scales, at 1.1x the bytes; Q5_0, Q5_1 and Q5_K as Q8_0. A float32 copy would cost 3.8x the
-    memory and the bandwidth of every token. Q6_K (llama.cpp's Q4_0 files keep the output head as Q6_K, its Q4_K_M
-    files attn_v and half the ffn_down) is read in place by the dot products (54 MB a token for the 1B Q4_0 file's
-    head, 70 MB as Q8_0); rows=True: neuron rows that axpy adds up (ffn_down_t), which it does not read, so Q8_0."""
+    once into one the kernels read: Q5_0, Q5_1 and Q5_K as Q8_0 (a float32 copy would cost 3.8x the memory and the
+    bandwidth of every token). The K-quants of llama.cpp's Q4_K_M files (Q4_K for most matrices, Q6_K for attn_v,
+    half the ffn_down and the output head of its Q4_0 files) are read in place by the dot products; rows=True: neuron
+    rows that axpy adds up (ffn_down_t), which it does not read, so Q4_K as Q4_1 (its sub-blocks up to an f16
+    rounding of their scales, 1.1x the bytes) and Q6_K as Q8_0."""
     w = qweight(f, name)
     if not qops.available() or (w.in_kernel and (not rows or w.qtype in ROW_TYPES)):
         return w
     t0 = time.perf_counter()
     q = rows_runnable(w) if w.in_kernel else runnable(w)
+    if w.in_kernel:
+        load.requantised_rows.add(w.type_name)
     load.requantised_s += time.perf_counter() - t0
     key = (w.type_name, q.type_name)
     load.requantised[key] = load.requantised.get(key, 0) + q.nbytes
@@ -280,9 +284,15 @@ def _report(tr: Transformer, load: Load) -> None:
         load.notices.append(f"{why}: those weights run on float32 copies made on first use ({gb:.2f} GB more "
                             f"memory; requantise to Q4_0, Q8_0 or F16 to avoid it)")
     if load.requantised:
-        types = ", ".join(sorted({t for t, _ in load.requantised}))
+        # two reasons: a type no kernel reads, or a K-quant as neuron rows (ffn_down_t), which only dot products read
+        why = []
+        for rows in (False, True):
+            types = sorted({t for t, _ in load.requantised if (t in load.requantised_rows) == rows})
+            if types:
+                why.append(f"{', '.join(types)} neuron rows (ffn_down_t) are read by no axpy kernel" if rows
+                           else f"pinfer has no kernel for {', '.join(types)}")
         how = ", ".join(f"{t} as {q}" for t, q in sorted(load.requantised))
-        load.notices.append(f"pinfer has no kernel for {types}: those weights were re-encoded at load ({how}; "
+        load.notices.append(f"{'; '.join(why)}: those weights were re-encoded at load ({how}; "
                             f"{sum(load.requantised.values()) / 1e9:.2f} GB of memory, {load.requantised_s:.1f} s); "
                             f"requantise the file to Q4_0, Q8_0 or F16 to avoid it")
     if load.transposed_bytes:

@@ -1,13 +1,19 @@
-// Q6_K rows read in place: dot products with q8 activations (dot_rows' Q6_K path). llama.cpp keeps the output head of
-// its Q4_0 files and attn_v / ffn_down of half the layers of its Q4_K_M files in Q6_K; re-encoded as Q8_0 they cost
-// 34 bytes per 32 values against 26.25 read in place (the 1B Q4_0 file's head: 69.6 MB a token against 53.8).
+// The K-quants of llama.cpp's Q4_K_M files read in place: dot products with q8 activations (dot_rows' Q4_K and Q6_K
+// paths). Q4_K holds most of a Q4_K_M file's matrices; Q6_K its attn_v and half its ffn_down, and the output head of
+// llama.cpp's Q4_0 files. Re-encoded (Q4_K as Q4_1, Q6_K as Q8_0) they cost 20 bytes per 32 values against 18, and 34
+// against 26.25, as a copy in memory (a 1B Q4_K_M file: 0.77 GB of copies besides the mapped file).
 //
+//   Q4_K  144 bytes per 256 values {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: sub-block j (32 values) has a
+//         6-bit scale sc and min m (ggml's get_scale_min_k4); value l of sub-block 2p + h: d sc q - dmin m with
+//         q = nibble h of qs[32 p + l]
 //   Q6_K  210 bytes per 256 values {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}: in half h (128 values), chunk c (32
 //         values), value l: q = nibble c >> 1 of ql[64 h + 32 (c & 1) + l] | ((qh[32 h + l] >> 2 c) & 3) << 4, in
 //         0..63; value = d * sc[8 h + 2 c + l / 16] * (q - 32)
 //
-// A chunk is one q8 activation block (32 int8 x, scale dx). The lane tiles of quant.h, one row per i32 lane: the
-// rows' ql and qh bytes transposed by dwords (register k, lane j: row j's bytes 4k..4k+3), the 6-bit q assembled in
+// Both go through the lane tiles of quant.h, one row per i32 lane, the rows' bytes transposed by dwords (register k,
+// lane j: row j's bytes 4k..4k+3), a 32-value sub-block or chunk being one q8 activation block (32 int8 x, scale dx).
+// Q4_K: each sub-block is a Q4_1 block with d sc and -dmin m as its scale and min (exact in f32), the scales decoded
+// per lane from the transposed scale bytes, and goes through Q4_1's lane block. Q6_K: the 6-bit q assembled in
 // place, and per token 8 vpdpbusd (or vpmaddubsw + vpmaddwd: pairs <= 2 * 63 * 128, no saturation) into two sums,
 // one per 16-value sub-block. Then per lane, exactly in integers, (sumA - 32 xA) scA + (sumB - 32 xB) scB (xA, xB:
 // the token's sums of x over the two halves; sc: the rows' int8 scales, transposed once per super-block), and one
@@ -15,12 +21,17 @@
 // and 8-row (AVX2) tiles and in the portable loop, whatever the token count: a row alone, batched or in a prompt's
 // chunk gets the same bits.
 //
-// Measured against the Q8_0 re-encoding it replaces (Sapphire Rapids Xeon, 2 threads, qmatmul on a 32000 x 2048
-// head from DRAM, rounds alternated; docs/results.md): 0.77-0.82x the time at 1 token, 0.77-0.92x at 2, 0.92-1.05x at
+// Measured (Xeon with AVX-512 + VNNI, 2 threads, qmatmul from DRAM, rounds alternated; docs/results.md). Q6_K
+// against its Q8_0 re-encoding, a 32000 x 2048 head: 0.77-0.82x the time at 1 token, 0.77-0.92x at 2, 0.92-1.05x at
 // 4; a 2048 x 5632 matrix at 16 and 32 tokens (a prompt's chunk below the GEMM crossover) 1.26-1.28x (the 6-bit
-// unpacking and the per-sub-block scales cost more per token than Q8_0's one scale), at 512 (the GEMM path) 1.00-1.02x.
-// A first version, one row at a time with its 8 lanes summed at the end, took 1.095x at 1 token and 1.81x at 4.
+// unpacking and the per-sub-block scales cost more per token than Q8_0's one scale), at 512 (the GEMM path)
+// 1.00-1.02x; a first version, one row at a time with its 8 lanes summed at the end, took 1.095x at 1 token and
+// 1.81x at 4. Q4_K against its Q4_1 re-encoding: 11264 x 2048 0.92x the time at 1 and 2 tokens, 0.97x at 4;
+// 2048 x 5632 1.01x at 1, 1.11x at 4, 1.07x at 16, 1.02x at 63, GEMM the same.
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 
@@ -28,7 +39,7 @@ namespace pinfer {
 
 namespace {
 
-constexpr int64_t SB = 256, SB_BYTES = 210;
+constexpr int64_t SB = 256, SB_BYTES = 210, SB4_BYTES = 144;  // values per super-block; Q6_K's and Q4_K's bytes
 // the chunks of a half in the order their sums are added (by every build): 0 and 2 take the low and high nibbles of
 // the same ql bytes, 1 and 3 of the next 32, so the tile keeps one transposed set in registers at a time
 constexpr int CHUNK_ORDER[4] = {0, 2, 1, 3};
@@ -45,6 +56,7 @@ void half_sums(const Q8& x, int64_t nb, int32_t* off) {
 #if defined(PINFER_AVX2)
 inline __m256i slli32(__m256i a, int k) { return _mm256_slli_epi32(a, k); }
 inline __m256i srai32(__m256i a, int k) { return _mm256_srai_epi32(a, k); }
+inline __m256i srli32(__m256i a, int k) { return _mm256_srli_epi32(a, k); }
 inline __m256i slli16(__m256i a, int k) { return _mm256_slli_epi16(a, k); }
 inline __m256i or_(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
 inline __m256i sub32(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
@@ -52,6 +64,7 @@ inline __m256i mul32(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
 #if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
 inline __m512i slli32(__m512i a, int k) { return _mm512_slli_epi32(a, k); }
 inline __m512i srai32(__m512i a, int k) { return _mm512_srai_epi32(a, k); }
+inline __m512i srli32(__m512i a, int k) { return _mm512_srli_epi32(a, k); }
 inline __m512i slli16(__m512i a, int k) { return _mm512_slli_epi16(a, k); }
 inline __m512i or_(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
 inline __m512i sub32(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
@@ -165,48 +178,158 @@ void q6k_tile_packed(const Q6Chunk<V>* ck, int64_t n, const Q8* xs, const int32_
   for (int t = 0; t < C; ++t) V::store(out + t * os, acc[t]);
 }
 
-// N rows (n <= N: the last ones repeated, their results dropped) x every token, C at a time
-template <class V>
-void q6k_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a, const int32_t* const* offs,
-               float* out, int64_t os, const uint8_t* const* nxt) {
-  constexpr int N = V::N;
+// N rows (n <= N: the last ones repeated, their results dropped) x T tokens, C <= 4 at a time:
+// tile(std::integral_constant<int, C>, rp, t0, tmp) writes rows rp's [C, N] results for tokens t0.. into tmp
+template <int N, class Tile>
+inline void by_tokens(const uint8_t* const* rows, int64_t n, int64_t T, float* out, int64_t os, Tile&& tile) {
   const uint8_t* rp[N];
   for (int r = 0; r < N; ++r) rp[r] = rows[std::min<int64_t>(r, n - 1)];
   float tmp[4 * N];
-  const bool packed = a.T > 4;
-  thread_local std::vector<Q6Chunk<V>> ck;  // an over-aligned type: std::allocator aligns it (C++17)
-  if (packed) {
-    ck.resize(nsb * 8);
-    int64_t i = 0;
-    q6k_walk<V>(rp, nsb, nxt, [&](const typename V::vi* q, typename V::vi scA, typename V::vi scB,
-                                  typename V::vf dw, int64_t b) {
-      Q6Chunk<V>& c = ck[i++];
-      for (int k = 0; k < 8; ++k) c.q[k] = q[k];
-      c.scA = scA, c.scB = scB, c.dw = dw, c.b = b;
-    });
-  }
-  for (int64_t t0 = 0; t0 < a.T; t0 += 4) {
-    const int64_t c = std::min<int64_t>(4, a.T - t0);
-    const Q8* xs = a.q.data() + t0;
-    const int32_t* const* of = offs + t0;
-    const uint8_t* const* nx = t0 == 0 ? nxt : nullptr;
-    if (packed) {
-      switch (c) {
-        case 1: q6k_tile_packed<V, 1>(ck.data(), nsb * 8, xs, of, tmp, N); break;
-        case 2: q6k_tile_packed<V, 2>(ck.data(), nsb * 8, xs, of, tmp, N); break;
-        case 3: q6k_tile_packed<V, 3>(ck.data(), nsb * 8, xs, of, tmp, N); break;
-        default: q6k_tile_packed<V, 4>(ck.data(), nsb * 8, xs, of, tmp, N); break;
-      }
-    } else {
-      switch (c) {
-        case 1: q6k_tile<V, 1>(rp, nsb, xs, of, tmp, N, nx); break;
-        case 2: q6k_tile<V, 2>(rp, nsb, xs, of, tmp, N, nx); break;
-        case 3: q6k_tile<V, 3>(rp, nsb, xs, of, tmp, N, nx); break;
-        default: q6k_tile<V, 4>(rp, nsb, xs, of, tmp, N, nx); break;
-      }
+  for (int64_t t0 = 0; t0 < T; t0 += 4) {
+    const int64_t c = std::min<int64_t>(4, T - t0);
+    switch (c) {
+      case 1: tile(std::integral_constant<int, 1>(), rp, t0, tmp); break;
+      case 2: tile(std::integral_constant<int, 2>(), rp, t0, tmp); break;
+      case 3: tile(std::integral_constant<int, 3>(), rp, t0, tmp); break;
+      default: tile(std::integral_constant<int, 4>(), rp, t0, tmp); break;
     }
     for (int64_t t = 0; t < c; ++t)
       for (int64_t r = 0; r < n; ++r) out[(t0 + t) * os + r] = tmp[t * N + r];
+  }
+}
+
+template <class V>
+void q6k_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a, const int32_t* const* offs,
+               float* out, int64_t os, const uint8_t* const* nxt) {
+  const bool packed = a.T > 4;
+  thread_local std::vector<Q6Chunk<V>> ck;  // an over-aligned type: std::allocator aligns it (C++17)
+  by_tokens<V::N>(rows, n, a.T, out, os, [&](auto cc, const uint8_t* const* rp, int64_t t0, float* tmp) {
+    constexpr int C = decltype(cc)::value;
+    if (packed && t0 == 0) {
+      ck.resize(nsb * 8);
+      int64_t i = 0;
+      q6k_walk<V>(rp, nsb, nxt, [&](const typename V::vi* q, typename V::vi scA, typename V::vi scB,
+                                    typename V::vf dw, int64_t b) {
+        Q6Chunk<V>& k = ck[i++];
+        for (int j = 0; j < 8; ++j) k.q[j] = q[j];
+        k.scA = scA, k.scB = scB, k.dw = dw, k.b = b;
+      });
+    }
+    if (packed)
+      q6k_tile_packed<V, C>(ck.data(), nsb * 8, a.q.data() + t0, offs + t0, tmp, V::N);
+    else
+      q6k_tile<V, C>(rp, nsb, a.q.data() + t0, offs + t0, tmp, V::N, t0 == 0 ? nxt : nullptr);
+  });
+}
+
+// --- Q4_K ---------------------------------------------------------------------------------------------------------
+// Each 32-value sub-block of a Q4_K super-block is a Q4_1 block with d = d_sb sc and m = -dmin_sb m (both exact in
+// f32: an f16 times a 6-bit integer), its nibbles those of 32 bytes shared with the next sub-block (low nibbles: the
+// even sub-block, high: the odd). So the rows' bytes are transposed as Q4_1's are, the scales decoded per lane from
+// the transposed scale bytes, and each sub-block goes through Q4_1's lane block (quant.h lane_block): the same chain
+// per row as a Q4_1 row's, in any lane, tile and token count.
+
+// Walks V::N rows' super-blocks, handing each sub-block (activation block b, in order) to f(w, dw, mw, b): w the
+// nibbles (register k, lane j: row j's values 4k..4k+3), dw = d sc and mw = -dmin m per lane
+template <class V, class F>
+inline void q4k_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* const* nxt, F&& f) {
+  typedef typename V::vi vi;
+  typedef typename V::vf vf;
+  const Leads<V> leads(rows);
+  const vi m0F = V::set1_8(0x0F), m63 = V::set1_32(63), m15 = V::set1_32(15), m3 = V::set1_32(3);
+  static const float minus1 = -1.f;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const int64_t so = s * SB4_BYTES;
+    for (int r = 0; r < V::N; ++r)
+      for (int64_t a = 0; a < SB4_BYTES; a += 64) {
+        prefetch(rows[r] + so + 2 * SB4_BYTES + a);
+        if (nxt) prefetch_l2(nxt[r] + so + a);
+      }
+    vf d, dmin;
+    V::halves(leads.at(rows, so), d, dmin, true);  // the super-block's leading dword: d | dmin << 16
+    const vf ndmin = V::mul(dmin, V::bcast(&minus1));
+    vi sc[4];  // lane j: row j's scale bytes 4k .. 4k + 3 in register k (k = 3: the first qs bytes, not used)
+    transposed16<V>(rows, so + 4, sc);
+    // sub-block j's 6-bit scale and min (ggml's get_scale_min_k4, per lane), as dw and mw
+    auto scales = [&](int j, vf& dw, vf& mw) {
+      vi u, m;
+      if (j < 4) {
+        u = V::and_(srli32(sc[0], 8 * j), m63), m = V::and_(srli32(sc[1], 8 * j), m63);
+      } else {
+        const int i = j - 4;
+        u = or_(V::and_(srli32(sc[2], 8 * i), m15), slli32(V::and_(srli32(sc[0], 8 * i + 6), m3), 4));
+        m = or_(V::and_(srli32(sc[2], 8 * i + 4), m15), slli32(V::and_(srli32(sc[1], 8 * i + 6), m3), 4));
+      }
+      dw = V::mul(d, V::cvt(u)), mw = V::mul(ndmin, V::cvt(m));
+    };
+    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p and 2p + 1: the low and high nibbles of qs[32p .. 32p + 31]
+      vi t[8], w[8];
+      transposed16<V>(rows, so + 16 + 32 * p, t), transposed16<V>(rows, so + 32 + 32 * p, t + 4);
+      for (int h = 0; h < 2; ++h) {
+        vf dw, mw;
+        scales(2 * p + h, dw, mw);
+        for (int k = 0; k < 8; ++k) w[k] = V::and_(h ? V::srli16(t[k], 4) : t[k], m0F);
+        f(w, dw, mw, s * 8 + 2 * p + h);
+      }
+    }
+  }
+}
+
+template <class V>
+void q4k_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a, float* out, int64_t os,
+               const uint8_t* const* nxt) {
+  typedef typename V::vi vi;
+  typedef typename V::vf vf;
+  const bool packed = a.T > 4;  // the sub-blocks unpacked once for every 4 tokens (see Q6Chunk)
+  thread_local std::vector<LanePack<V>> pk;
+  by_tokens<V::N>(rows, n, a.T, out, os, [&](auto cc, const uint8_t* const* rp, int64_t t0, float* tmp) {
+    constexpr int C = decltype(cc)::value;
+    const Q8* xs = a.q.data() + t0;
+    if (packed) {
+      if (t0 == 0) {
+        pk.resize(nsb * 8);
+        q4k_walk<V>(rp, nsb, nxt, [&](const vi* w, vf dw, vf mw, int64_t b) {
+          for (int k = 0; k < 8; ++k) pk[b].w[k] = w[k];
+          pk[b].dw = dw, pk[b].mw = mw;
+        });
+      }
+      qtile_packed<V, Q4_1, C>(pk.data(), xs, nsb * 8, tmp, V::N);
+      return;
+    }
+    vf facc[C], macc[C];
+    for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
+    q4k_walk<V>(rp, nsb, t0 == 0 ? nxt : nullptr, [&](const vi* w, vf dw, vf mw, int64_t b) {
+      lane_block<V, Q4_1, C>(w, dw, mw, xs, b, facc, macc);
+    });
+    for (int c = 0; c < C; ++c) V::store(tmp + c * V::N, V::add(facc[c], macc[c]));  // qtile_packed's ending
+  });
+}
+
+// n rows in groups of the widest tile, the last ones 8 at a time (the same bits per row in either tile), each group
+// prefetching the rows after it (from rows, then the caller's next) into L2: group(G, rows, count, out, nx)
+template <class Group>
+inline void in_groups(const uint8_t* const* rows, int64_t n, float* out, const uint8_t* const* next, int64_t n_next,
+                      Group&& group) {
+  auto after = [&](int64_t i, int N, const uint8_t** nx) {
+    for (int r = 0; r < N; ++r) {
+      const int64_t j = i + N + r;
+      nx[r] = j < n ? rows[j] : (j - n < n_next ? next[j - n] : (n_next ? next[n_next - 1] : rows[n - 1]));
+    }
+  };
+  constexpr int N = QLANES;
+  const uint8_t* nx[N];
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    after(i, N, nx);
+#if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
+    group(L16(), rows + i, N, out + i, nx);
+#else
+    group(L8(), rows + i, N, out + i, nx);
+#endif
+  }
+  for (; i < n; i += QLANES_MIN) {
+    after(i, QLANES_MIN, nx);
+    group(L8(), rows + i, std::min<int64_t>(QLANES_MIN, n - i), out + i, nx);
   }
 }
 #else
@@ -237,9 +360,46 @@ void q6k_row(const uint8_t* row, int64_t nsb, const Acts& a, const int32_t* cons
     out[t * os] = acc;
   }
 }
+
+// Q4_K: Q4_1's lane chain per sub-block (quant.h lane_block), one row at a time
+void q4k_row(const uint8_t* row, int64_t nsb, const Acts& a, float* out, int64_t os) {
+  for (int64_t t = 0; t < a.T; ++t) {
+    const Q8& x = a.q[t];
+    float facc = 0.f, macc = 0.f;
+    for (int64_t s = 0; s < nsb; ++s) {
+      const uint8_t* blk = row + s * SB4_BYTES;
+      const float d = f16_scale(blk), ndmin = f16_scale(blk + 2) * -1.f;
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        k4_scale_min(j, blk + 4, sc, m);
+        const int64_t b = s * 8 + j;
+        const uint8_t* qs = blk + 16 + 32 * (j / 2);
+        int32_t sum = 0;
+        for (int l = 0; l < 32; ++l) sum += ((qs[l] >> (4 * (j & 1))) & 15) * (int32_t)x.qs[b * QK + l];
+        facc = std::fma((float)sum, (d * (float)sc) * x.d[b], facc);
+        macc = std::fma(ndmin * (float)m, x.s[b], macc);
+      }
+    }
+    out[t * os] = facc + macc;
+  }
+}
 #endif
 
 }  // namespace
+
+void q4k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
+                  const uint8_t* const* next, int64_t n_next) {
+  const int64_t nsb = a.n / SB;
+#if defined(PINFER_AVX2)
+  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
+                                            const uint8_t* const* nx) {
+    q4k_group<decltype(v)>(g, m, nsb, a, o, os, nx);
+  });
+#else
+  (void)next, (void)n_next;
+  for (int64_t r = 0; r < n; ++r) q4k_row(rows[r], nsb, a, out + r, os);
+#endif
+}
 
 void q6k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
                   const uint8_t* const* next, int64_t n_next) {
@@ -252,28 +412,10 @@ void q6k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* o
     offs[t] = off.data() + t * nb * 2;
   }
 #if defined(PINFER_AVX2)
-  // the rows after group i (from rows, then the caller's next), for the L2 prefetches
-  auto after = [&](int64_t i, int N, const uint8_t** nx) {
-    for (int r = 0; r < N; ++r) {
-      const int64_t j = i + N + r;
-      nx[r] = j < n ? rows[j] : (j - n < n_next ? next[j - n] : (n_next ? next[n_next - 1] : rows[n - 1]));
-    }
-  };
-  constexpr int N = QLANES;
-  const uint8_t* nx[N];
-  int64_t i = 0;
-  for (; i + N <= n; i += N) {
-    after(i, N, nx);
-#if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
-    q6k_group<L16>(rows + i, N, nsb, a, offs.data(), out + i, os, nx);
-#else
-    q6k_group<L8>(rows + i, N, nsb, a, offs.data(), out + i, os, nx);
-#endif
-  }
-  for (; i < n; i += QLANES_MIN) {  // the last rows 8 at a time (the same bits per row in either tile)
-    after(i, QLANES_MIN, nx);
-    q6k_group<L8>(rows + i, std::min<int64_t>(QLANES_MIN, n - i), nsb, a, offs.data(), out + i, os, nx);
-  }
+  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
+                                            const uint8_t* const* nx) {
+    q6k_group<decltype(v)>(g, m, nsb, a, offs.data(), o, os, nx);
+  });
 #else
   (void)next, (void)n_next;
   for (int64_t r = 0; r < n; ++r) q6k_row(rows[r], nsb, a, offs.data(), out + r, os);

@@ -23,18 +23,7 @@ namespace pinfer {
 
 namespace {
 
-constexpr int Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13;  // Q6_K: quant.h
-
-// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4)
-inline void scale_min(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {
-  if (j < 4) {
-    d = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
+constexpr int Q5_0 = 6, Q5_1 = 7, Q5_K = 13;  // Q4_K, Q6_K: quant.h
 
 void q5_1_row(const uint8_t* b, int64_t nb, float* y) {
   for (int64_t i = 0; i < nb; ++i, b += 24, y += 32) {
@@ -59,9 +48,9 @@ void q45k_row(const uint8_t* b, int64_t nb, bool five, float* y) {
     uint8_t u1 = 1, u2 = 2;
     for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
       uint8_t sc, m;
-      scale_min(is, scales, sc, m);
+      k4_scale_min(is, scales, sc, m);
       const float d1 = d * sc, m1 = dmin * m;
-      scale_min(is + 1, scales, sc, m);
+      k4_scale_min(is + 1, scales, sc, m);
       const float d2 = d * sc, m2 = dmin * m;
       for (int l = 0; l < 32; ++l) *y++ = d1 * ((q[l] & 0xF) + (five && (qh[l] & u1) ? 16 : 0)) - m1;
       for (int l = 0; l < 32; ++l) *y++ = d2 * ((q[l] >> 4) + (five && (qh[l] & u2) ? 16 : 0)) - m2;
@@ -72,6 +61,9 @@ void q45k_row(const uint8_t* b, int64_t nb, bool five, float* y) {
 }
 
 }  // namespace
+
+// (also the kernels' Q4_K dequantisation: kernels.h)
+void q4k_to_f32(const uint8_t* b, int64_t nb, float* y) { q45k_row(b, nb, false, y); }
 
 // (also the kernels' Q6_K dequantisation: kernels.h)
 void q6k_to_f32(const uint8_t* b, int64_t nb, float* y) {
@@ -155,7 +147,7 @@ void requant_q4k_q4_1(const uint8_t* in, int64_t n, int64_t in_stride, int64_t c
           const uint8_t* q = blk + 16 + 32 * p;
           for (int half = 0; half < 2; ++half, o += 20) {
             uint8_t sc, m;
-            scale_min(2 * p + half, blk + 4, sc, m);
+            k4_scale_min(2 * p + half, blk + 4, sc, m);
             const uint16_t dh = f32_to_f16(d * sc), mh = f32_to_f16(-(dmin * m));
             std::memcpy(o, &dh, 2);
             std::memcpy(o + 2, &mh, 2);
