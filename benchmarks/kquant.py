@@ -1,6 +1,7 @@
-"""A K-quant file as pinfer runs it, against the re-encodings it could take instead: Q4_K (most of llama.cpp's
-Q4_K_M) and Q6_K (Q4_K_M's attn_v and half its ffn_down, the output head of llama.cpp's Q4_0 files) are read in place
-by default, against Q4_K re-encoded as Q4_1 (the default until 2026-12-07) or as Q8_0, and Q6_K as Q8_0.
+"""A K-quant file as pinfer runs it, against the re-encodings it could take instead: Q4_K and Q5_K (most of llama.cpp's
+Q4_K_M and Q5_K_M) and Q6_K (their attn_v and half their ffn_down, the output head of llama.cpp's Q4_0 files) are
+read in place by default, against Q4_K re-encoded as Q4_1 (the default until 2026-12-07) or as Q8_0, and Q5_K and
+Q6_K as Q8_0.
 
     python benchmarks/kquant.py --model m-q4_k_m.gguf                        # memory, load, paired decode speed
     python benchmarks/kquant.py --model m-q4_0.gguf                          # a Q4_0 file's Q6_K head alone
@@ -9,7 +10,7 @@ by default, against Q4_K re-encoded as Q4_1 (the default until 2026-12-07) or as
     python benchmarks/kquant.py --kernels                                    # the kernels alone, no model file
 
 --kernels times torch.ops.pinfer.qmatmul on random K-quant matrices against their re-encodings (Q4_K / Q4_1,
-Q6_K / Q8_0) at 1B shapes and several token counts, enough copies of each to read from beyond the caches, in
+Q5_K and Q6_K / Q8_0) at 1B shapes and several token counts, enough copies of each to read from beyond the caches, in
 alternated rounds (median of per-round time ratios; below 1, in place is faster).
 
 The variants load in one process (the default is runtime.weights.runnable's choice; each other forces one type's
@@ -46,6 +47,7 @@ def kernels(threads: int, rounds: int) -> None:
         raise SystemExit(f"the C++ kernels are not available: {cpu_kernels.status()}")
     cpu_kernels.set_threads(threads)
     cases = [(T.Q4_K, as_q4_1, 11264, 2048, (1, 2, 4)), (T.Q4_K, as_q4_1, 2048, 5632, (1, 4, 16, 63)),
+             (T.Q5_K, as_q8_0, 11264, 2048, (1, 2, 4)), (T.Q5_K, as_q8_0, 2048, 5632, (1, 4, 16, 63)),
              (T.Q6_K, as_q8_0, 32000, 2048, (1, 2, 4)), (T.Q6_K, as_q8_0, 2048, 5632, (1, 4, 16, 63))]
     out = []
     for t, reencode, rows, cols, ts in cases:
@@ -113,10 +115,12 @@ def main() -> None:
     if T.Q4_K in held:
         variants["q4_k_as_q4_1"] = (T.Q4_K, weights.runnable)
         variants["q4_k_as_q8_0"] = (T.Q4_K, as_q8_0)
+    if T.Q5_K in held:
+        variants["q5_k_as_q8_0"] = (T.Q5_K, weights.runnable)
     if T.Q6_K in held:
         variants["q6_k_as_q8_0"] = (T.Q6_K, weights.runnable)
     if len(variants) == 1:
-        raise SystemExit(f"{args.model}: no Q4_K or Q6_K tensors, nothing to compare")
+        raise SystemExit(f"{args.model}: no Q4_K, Q5_K or Q6_K tensors, nothing to compare")
     models, res = {}, {"model": args.model, "threads": args.threads, "variants": {}}
     for name, (out, fn) in variants.items():
         loader.runnable = fn

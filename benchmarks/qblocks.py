@@ -9,12 +9,13 @@ import torch
 BLOCK = {2: 18, 3: 20, 8: 34}  # bytes per 32-value block: Q4_0, Q4_1, Q8_0
 
 
-KQUANT = {12: (144, 0, 4), 14: (210, 208, 210)}  # bytes per 256-value super-block, its f16 scales' byte range
+# bytes per 256-value super-block of Q4_K, Q5_K and Q6_K, and the byte range of its f16 scales
+KQUANT = {12: (144, 0, 4), 13: (176, 0, 4), 14: (210, 208, 210)}
 
 
 def weights(rows: int, cols: int, t: int, seed: int) -> torch.Tensor:
     """Random weights in type t as uint8 [rows, row_bytes], scales 0.01 (no subnormal or nan arithmetic); for the
-    K-quants Q4_K (12) and Q6_K (14), random sub-block scales under super-block scales 0.001."""
+    K-quants Q4_K (12), Q5_K (13) and Q6_K (14), random sub-block scales under super-block scales 0.001."""
     rng = np.random.default_rng(seed)
     if t in KQUANT:
         bb, s0, s1 = KQUANT[t]

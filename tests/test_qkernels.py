@@ -243,18 +243,18 @@ def test_qmatmul_tokens_get_their_bits_alone(ops, name, rows, cols):
 
 # --- K-quants: Q4_K and Q6_K read in place by dot products (runtime/cpu/csrc/kquant.cpp) ----------------------------
 
-Q4_K, Q6_K = 12, 14
-KQUANTS = {"Q4_K": Q4_K, "Q6_K": Q6_K}
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+KQUANTS = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
 
 
 def encode_kquant(rng: np.random.Generator, rows: int, cols: int, t: int) -> np.ndarray:
-    """Random Q4_K or Q6_K rows, uint8 [rows, cols / 256 * unit bytes]: every bit pattern of the quants and the 6-bit
-    or int8 sub-block scales (and Q4_K's mins), and half float super-block scales of both signs."""
+    """Random Q4_K, Q5_K or Q6_K rows, uint8 [rows, cols / 256 * unit bytes]: every bit pattern of the quants and the
+    6-bit or int8 sub-block scales (and Q4_K's / Q5_K's mins), and half float super-block scales of both signs."""
     if t == Q6_K:
         raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
         raw[..., 208:] = (rng.standard_normal((rows, cols // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
     else:
-        raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        raw = rng.integers(0, 256, (rows, cols // 256, 176 if t == Q5_K else 144), dtype=np.uint8)
         raw[..., 0:4] = (rng.standard_normal((rows, cols // 256, 2)) * 2e-3).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 

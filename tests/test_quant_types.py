@@ -1,8 +1,8 @@
 """Every supported ggml type loads and runs: logits equal those of an F32 file holding the dequantised values.
 
-Types with a C++ kernel (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) are read in place; the others are re-encoded once
-(float32 copies when the kernels are unavailable). Both are checked at decode size (one token at a time, the GEMV
-kernels) and at prefill size (many rows, the GEMM path).
+Types with a C++ kernel (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are read in place; the others are
+re-encoded once (float32 copies when the kernels are unavailable). Both are checked at decode size (one token at a
+time, the GEMV kernels) and at prefill size (many rows, the GEMM path).
 """
 
 import os
@@ -76,8 +76,8 @@ def model(request, tmp_path_factory):
     cfg = tiny_config(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, vocab_size=320)
     w = random_weights(cfg, seed=11, scale=0.05)
     rng = np.random.default_rng(0)
-    kernel = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
-    types = kernel if request.param == "kernel-types" else kernel + [T.Q5_0, T.Q5_1, T.Q5_K]
+    kernel = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+    types = kernel if request.param == "kernel-types" else kernel + [T.Q5_0, T.Q5_1]
     mixed, i = {}, 0
     for name, a in w.items():
         if a.ndim == 2:
@@ -108,8 +108,8 @@ def test_kernels_read_the_kernel_types_in_place(model):
     notes = " ".join(m.notices)
     if KERNELS:
         assert all(w.in_kernel for w in _matrices(m.transformer))  # every matrix the layers use, a kernel reads
-        assert ("Q5_K as Q8_0" in notes) == (kind == "every-type")
-        assert "Q4_K as" not in notes and "Q6_K as" not in notes  # read in place (runtime/cpu/csrc/kquant.cpp)
+        assert ("Q5_1 as Q8_0" in notes) == (kind == "every-type")
+        assert not any(f"{k} as" in notes for k in ("Q4_K", "Q5_K", "Q6_K"))  # in place (runtime/cpu/csrc/kquant.cpp)
         assert "float32 copies" not in notes
     else:
         assert "float32 copies" in notes
@@ -167,22 +167,23 @@ def test_decode_matches_prefill(model):
 
 
 def test_planner_counts_what_the_runtime_holds(model):
-    """pi-plan's byte accounting charges each matrix what pinfer holds: as stored for kernel types, the re-encoding
-    (runtime.weights.runnable) for the others; the planner's table of re-encoded types is the runtime's."""
+    """pi-plan's byte accounting charges each matrix what pinfer's GPU holds: as stored for the types its kernels
+    read, the re-encoding (runtime.weights.runnable, then rows_runnable) for the others; the planner's table of
+    re-encoded types is the runtime's."""
     from pinfer_llm.planner.memory import RUN_AS, account, run_bytes
-    from pinfer_llm.runtime.weights import runnable
+    from pinfer_llm.runtime.weights import ROW_TYPES, rows_runnable, runnable
 
-    assert set(RUN_AS) == SUPPORTED_TYPES - KERNEL_TYPES
+    assert set(RUN_AS) == SUPPORTED_TYPES - ROW_TYPES
     kind, path, _, _ = model
     f = open_gguf(path)
     for name, t in f.tensors.items():
         if len(t.shape) == 2:
-            held = runnable(qweight(f, name))
-            assert held.in_kernel and run_bytes(t) == held.data.numel(), name
+            held = rows_runnable(runnable(qweight(f, name)))
+            assert held.qtype in ROW_TYPES and run_bytes(t) == held.data.numel(), name
     acct = account(f)
     stored = sum(t.nbytes for t in f.tensors.values() if t.name.startswith("blk."))
     counted = sum(lb.attn + lb.ffn + lb.pred for lb in acct.layers)
-    assert (counted > stored) == (kind == "every-type")  # Q8_0 copies outweigh the 4-6-bit types they replace
+    assert counted > stored  # the GPU's copies (Q4_1, Q8_0) outweigh the K-quants (and Q5_*) they replace
 
 
 def q4k_as_q4_1_reference(raw: np.ndarray, cols: int) -> np.ndarray:

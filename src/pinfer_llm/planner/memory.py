@@ -48,17 +48,19 @@ _FFN_COLS = (C.FFN_DOWN,)  # neuron i is column i
 _PREDICTOR = (C.PRED_FC1, C.PRED_FC2)
 _NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS, C.ACT_PEAK)  # plans and statistics: not part of what is placed
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-# Matrix types pinfer's kernels do not read: the runtime re-encodes them when it loads the model (runtime/weights.py
-# runnable: as Q8_0, 34 bytes per 32 values), so that is what they cost in memory, VRAM and bytes per token; a test
-# keeps this table equal to the runtime's choice. Row-read tables (token_embd) stay as stored. (The K-quants Q4_K and
-# Q6_K are read in place on the CPU; a K-quant matrix placed on the GPU goes as Q4_1 or Q8_0, 20 bytes per 32 values
-# against 18, or 34 against 26.25, which this estimate does not count.)
-RUN_AS = {GGMLQuantizationType.Q5_0: 34, GGMLQuantizationType.Q5_1: 34,
-          GGMLQuantizationType.Q5_K: 34}  # bytes per 32 values as run
+# Matrix types the GPU's kernels do not read: the runtime copies them into one they do (runtime/weights.py
+# rows_runnable: Q4_K as Q4_1, 20 bytes per 32 values; the others as Q8_0, 34), so that is what they cost in VRAM; a
+# test keeps this table equal to the runtime's choice. Q5_0 and Q5_1 cost that on the CPU too (runnable); the
+# K-quants are read in place there (18, 22 and 26.25 bytes per 32 values), which one count per tensor cannot say: the
+# plan charges them the copy everywhere, over-counting host RAM and the CPU's bytes per token for K-quant layers
+# (safe for memory; it leans such layers towards the GPU) rather than under-counting VRAM. Row-read tables
+# (token_embd) stay as stored.
+RUN_AS = {GGMLQuantizationType.Q4_K: 20, GGMLQuantizationType.Q5_0: 34, GGMLQuantizationType.Q5_1: 34,
+          GGMLQuantizationType.Q5_K: 34, GGMLQuantizationType.Q6_K: 34}  # bytes per 32 values as run
 
 
 def run_bytes(t: TensorInfo) -> int:
-    """Bytes of tensor t as pinfer runs it: as stored, or re-encoded (RUN_AS) for the matrix types it converts."""
+    """Bytes of tensor t as pinfer's GPU runs it: as stored, or re-encoded (RUN_AS) for the matrix types it converts."""
     if len(t.shape) == 2 and t.ggml_type in RUN_AS:
         return t.n_elements // 32 * RUN_AS[t.ggml_type]
     return t.nbytes

@@ -20,11 +20,11 @@ from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, tensor_nbytes
 
 # Types pinfer's C++ kernels read in place; every other readable type is re-encoded at load (runnable) or, without
-# the kernels, dequantised (gguf.quants) to a float copy. The K-quants Q4_K and Q6_K only as matrices (dot products,
-# runtime/cpu/csrc/kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's copies take ROW_TYPES
-# (rows_runnable: Q4_K as Q4_1, Q6_K as Q8_0).
-KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K})
-ROW_TYPES = KERNEL_TYPES - {T.Q4_K, T.Q6_K}
+# the kernels, dequantised (gguf.quants) to a float copy. The K-quants Q4_K, Q5_K and Q6_K only as matrices (dot
+# products, runtime/cpu/csrc/kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's copies take
+# ROW_TYPES (rows_runnable: Q4_K as Q4_1, Q5_K and Q6_K as Q8_0).
+KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+ROW_TYPES = KERNEL_TYPES - {T.Q4_K, T.Q5_K, T.Q6_K}
 # Types gguf.quants can dequantise: the ones a model may use at all.
 SUPPORTED_TYPES = KERNEL_TYPES | {T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
 
@@ -190,8 +190,8 @@ def as_q4_1(w: QWeight) -> QWeight:
 
 
 def runnable(w: QWeight) -> QWeight:
-    """w in a type the kernels read: itself, or its re-encoding (Q5_0, Q5_1 and Q5_K as Q8_0; Q4_K, where its
-    kernel is not used, as Q4_1)."""
+    """w in a type the kernels read: itself, or its re-encoding (Q5_0 and Q5_1 as Q8_0; a K-quant whose kernel is not
+    used, Q4_K as Q4_1 and the others as Q8_0)."""
     if w.in_kernel:
         return w
     return as_q4_1(w) if w.qtype == T.Q4_K else as_q8_0(w)
@@ -199,7 +199,7 @@ def runnable(w: QWeight) -> QWeight:
 
 def rows_runnable(w: QWeight) -> QWeight:
     """w in a type that axpy and the GPU kernels read too (ROW_TYPES): itself, or a K-quant re-encoded (Q4_K as Q4_1,
-    Q6_K as Q8_0)."""
+    Q5_K and Q6_K as Q8_0)."""
     if w.qtype not in KERNEL_TYPES or w.qtype in ROW_TYPES:
         return w
     return as_q4_1(w) if w.qtype == T.Q4_K else as_q8_0(w)

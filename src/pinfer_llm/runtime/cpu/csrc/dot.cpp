@@ -217,7 +217,8 @@ void Acts::attach(const float* x_, int64_t T_, int64_t n_, int64_t ldx_, const Q
 
 void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
               const uint8_t* const* next, int64_t n_next) {
-  if (n > 0 && a.T > 0 && type == Q4_K) return q4k_dot_rows(rows, n, a, out, ostride, next, n_next);
+  if (n > 0 && a.T > 0 && (type == Q4_K || type == Q5_K))
+    return k45_dot_rows(type, rows, n, a, out, ostride, next, n_next);
   if (n > 0 && a.T > 0 && type == Q6_K) return q6k_dot_rows(rows, n, a, out, ostride, next, n_next);
   if (n > 0 && a.T > 0) PINFER_BY_TYPE(type, dot_rows_t, rows, n, a, out, ostride, next, n_next)
 }
@@ -239,7 +240,7 @@ void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out) {
 }
 
 void row_to_f32(int type, const uint8_t* row, int64_t n, float* out) {
-  if (type == Q4_K) return q4k_to_f32(row, n / 256, out);
+  if (type == Q4_K || type == Q5_K) return q45k_to_f32(row, n / 256, type == Q5_K, out);
   if (type == Q6_K) return q6k_to_f32(row, n / 256, out);
   PINFER_BY_TYPE(type, dequant_row, row, n, out)
 }

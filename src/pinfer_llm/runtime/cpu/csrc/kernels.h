@@ -53,13 +53,13 @@ void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, fl
 void axpy_rows(int type, const uint8_t* const* rows, int64_t n, const float* h, int64_t hs, int64_t T, float* y,
                int64_t ys, int64_t o0, int64_t o1, const uint8_t* const* next = nullptr, int64_t n_next = 0,
                float* mb = nullptr, int64_t mbs = 0);
-// dot_rows for Q4_K and Q6_K rows (kquant.cpp): the same contract
-void q4k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
+// dot_rows for Q4_K / Q5_K (type) and Q6_K rows (kquant.cpp): the same contract
+void k45_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
                   const uint8_t* const* next, int64_t n_next);
 void q6k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
                   const uint8_t* const* next, int64_t n_next);
-// nb Q4_K / Q6_K super-blocks as 256 nb floats, as ggml's reference dequantisers compute them (requant.cpp)
-void q4k_to_f32(const uint8_t* b, int64_t nb, float* y);
+// nb Q4_K / Q5_K / Q6_K super-blocks as 256 nb floats, as ggml's reference dequantisers compute them (requant.cpp)
+void q45k_to_f32(const uint8_t* b, int64_t nb, bool five, float* y);
 void q6k_to_f32(const uint8_t* b, int64_t nb, float* y);
 // rows [n] of a matrix as floats: out [n, cols]; ids == nullptr: rows 0..n-1
 void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out);

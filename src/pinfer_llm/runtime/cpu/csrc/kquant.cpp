@@ -1,19 +1,22 @@
-// The K-quants of llama.cpp's Q4_K_M files read in place: dot products with q8 activations (dot_rows' Q4_K and Q6_K
-// paths). Q4_K holds most of a Q4_K_M file's matrices; Q6_K its attn_v and half its ffn_down, and the output head of
-// llama.cpp's Q4_0 files. Re-encoded (Q4_K as Q4_1, Q6_K as Q8_0) they cost 20 bytes per 32 values against 18, and 34
-// against 26.25, as a copy in memory (a 1B Q4_K_M file: 0.77 GB of copies besides the mapped file).
+// The K-quants of llama.cpp's Q4_K_M / Q5_K_M files read in place: dot products with q8 activations (dot_rows' Q4_K,
+// Q5_K and Q6_K paths). Q4_K or Q5_K holds most of such a file's matrices; Q6_K its attn_v and half its ffn_down, and
+// the output head of llama.cpp's Q4_0 files. Re-encoded (Q4_K as Q4_1, Q5_K and Q6_K as Q8_0) they cost 20 bytes per
+// 32 values against 18, 34 against 22 and 26.25, as a copy in memory (a 1B Q4_K_M file: 0.77 GB of copies besides
+// the mapped file).
 //
 //   Q4_K  144 bytes per 256 values {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: sub-block j (32 values) has a
 //         6-bit scale sc and min m (ggml's get_scale_min_k4); value l of sub-block 2p + h: d sc q - dmin m with
 //         q = nibble h of qs[32 p + l]
+//   Q5_K  176 bytes per 256 values {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}: Q4_K's, with bit j of
+//         qh[l] the fifth bit (16) of value l of sub-block j
 //   Q6_K  210 bytes per 256 values {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}: in half h (128 values), chunk c (32
 //         values), value l: q = nibble c >> 1 of ql[64 h + 32 (c & 1) + l] | ((qh[32 h + l] >> 2 c) & 3) << 4, in
 //         0..63; value = d * sc[8 h + 2 c + l / 16] * (q - 32)
 //
 // Both go through the lane tiles of quant.h, one row per i32 lane, the rows' bytes transposed by dwords (register k,
 // lane j: row j's bytes 4k..4k+3), a 32-value sub-block or chunk being one q8 activation block (32 int8 x, scale dx).
-// Q4_K: each sub-block is a Q4_1 block with d sc and -dmin m as its scale and min (exact in f32), the scales decoded
-// per lane from the transposed scale bytes, and goes through Q4_1's lane block. Q6_K: the 6-bit q assembled in
+// Q4_K / Q5_K: each sub-block is a Q4_1 block with d sc and -dmin m as its scale and min (exact in f32), the scales
+// decoded per lane from the transposed scale bytes, and goes through Q4_1's lane block. Q6_K: the 6-bit q assembled in
 // place, and per token 8 vpdpbusd (or vpmaddubsw + vpmaddwd: pairs <= 2 * 63 * 128, no saturation) into two sums,
 // one per 16-value sub-block. Then per lane, exactly in integers, (sumA - 32 xA) scA + (sumB - 32 xB) scB (xA, xB:
 // the token's sums of x over the two halves; sc: the rows' int8 scales, transposed once per super-block), and one
@@ -26,8 +29,9 @@
 // 4; a 2048 x 5632 matrix at 16 and 32 tokens (a prompt's chunk below the GEMM crossover) 1.26-1.28x (the 6-bit
 // unpacking and the per-sub-block scales cost more per token than Q8_0's one scale), at 512 (the GEMM path)
 // 1.00-1.02x; a first version, one row at a time with its 8 lanes summed at the end, took 1.095x at 1 token and
-// 1.81x at 4. Q4_K against its Q4_1 re-encoding: 11264 x 2048 0.92x the time at 1 and 2 tokens, 0.97x at 4;
-// 2048 x 5632 1.01x at 1, 1.11x at 4, 1.07x at 16, 1.02x at 63, GEMM the same.
+// 1.81x at 4. Q4_K against its Q4_1 re-encoding (benchmarks/kquant.py --kernels): 11264 x 2048 0.91x the time at 1
+// token, 0.95x at 4; 2048 x 5632 1.00x at 1, 1.11x at 4, 1.06x at 16, 1.02x at 63. Q5_K against Q8_0: 0.83x and
+// 0.79x at 1 token, 0.92x at 4, 1.06x at 16, 1.17x at 63.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -39,7 +43,10 @@ namespace pinfer {
 
 namespace {
 
-constexpr int64_t SB = 256, SB_BYTES = 210, SB4_BYTES = 144;  // values per super-block; Q6_K's and Q4_K's bytes
+constexpr int64_t SB = 256, SB_BYTES = 210;  // values per super-block, Q6_K's bytes
+// Q4_K's and Q5_K's super-block bytes, and where their quants start (Q5_K: after its 32 bytes of high bits)
+constexpr int64_t k45_bytes(int ty) { return ty == Q5_K ? 176 : 144; }
+constexpr int64_t k45_qs(int ty) { return ty == Q5_K ? 48 : 16; }
 // the chunks of a half in the order their sums are added (by every build): 0 and 2 take the low and high nibbles of
 // the same ql bytes, 1 and 3 of the next 32, so the tile keeps one transposed set in registers at a time
 constexpr int CHUNK_ORDER[4] = {0, 2, 1, 3};
@@ -222,27 +229,30 @@ void q6k_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a
   });
 }
 
-// --- Q4_K ---------------------------------------------------------------------------------------------------------
+// --- Q4_K and Q5_K ------------------------------------------------------------------------------------------------
 // Each 32-value sub-block of a Q4_K super-block is a Q4_1 block with d = d_sb sc and m = -dmin_sb m (both exact in
 // f32: an f16 times a 6-bit integer), its nibbles those of 32 bytes shared with the next sub-block (low nibbles: the
-// even sub-block, high: the odd). So the rows' bytes are transposed as Q4_1's are, the scales decoded per lane from
-// the transposed scale bytes, and each sub-block goes through Q4_1's lane block (quant.h lane_block): the same chain
-// per row as a Q4_1 row's, in any lane, tile and token count.
+// even sub-block, high: the odd). Q5_K is the same with a fifth bit per value (sub-block j: bit j of qh[l]), q in
+// 0..31 (vpmaddubsw pairs <= 2 * 31 * 128: no saturation). So the rows' bytes are transposed as Q4_1's are, the
+// scales decoded per lane from the transposed scale bytes, and each sub-block goes through Q4_1's lane block
+// (quant.h lane_block): the same chain per row as a Q4_1 row's, in any lane, tile and token count.
 
 // Walks V::N rows' super-blocks, handing each sub-block (activation block b, in order) to f(w, dw, mw, b): w the
-// nibbles (register k, lane j: row j's values 4k..4k+3), dw = d sc and mw = -dmin m per lane
-template <class V, class F>
-inline void q4k_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* const* nxt, F&& f) {
+// quants (register k, lane j: row j's values 4k..4k+3), dw = d sc and mw = -dmin m per lane
+template <class V, int TY, class F>
+inline void k45_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* const* nxt, F&& f) {
   typedef typename V::vi vi;
   typedef typename V::vf vf;
+  constexpr int64_t BB = k45_bytes(TY), QS = k45_qs(TY);
   const Leads<V> leads(rows);
-  const vi m0F = V::set1_8(0x0F), m63 = V::set1_32(63), m15 = V::set1_32(15), m3 = V::set1_32(3);
+  const vi m0F = V::set1_8(0x0F), m10 = V::set1_8(0x10), m63 = V::set1_32(63), m15 = V::set1_32(15),
+           m3 = V::set1_32(3);
   static const float minus1 = -1.f;
   for (int64_t s = 0; s < nsb; ++s) {
-    const int64_t so = s * SB4_BYTES;
+    const int64_t so = s * BB;
     for (int r = 0; r < V::N; ++r)
-      for (int64_t a = 0; a < SB4_BYTES; a += 64) {
-        prefetch(rows[r] + so + 2 * SB4_BYTES + a);
+      for (int64_t a = 0; a < BB; a += 64) {
+        prefetch(rows[r] + so + 2 * BB + a);
         if (nxt) prefetch_l2(nxt[r] + so + a);
       }
     vf d, dmin;
@@ -262,21 +272,29 @@ inline void q4k_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* con
       }
       dw = V::mul(d, V::cvt(u)), mw = V::mul(ndmin, V::cvt(m));
     };
+    vi qh[8];  // Q5_K: the 32 bytes of fifth bits, transposed as the quants are
+    if constexpr (TY == Q5_K) transposed16<V>(rows, so + 16, qh), transposed16<V>(rows, so + 32, qh + 4);
     for (int p = 0; p < 4; ++p) {  // sub-blocks 2p and 2p + 1: the low and high nibbles of qs[32p .. 32p + 31]
       vi t[8], w[8];
-      transposed16<V>(rows, so + 16 + 32 * p, t), transposed16<V>(rows, so + 32 + 32 * p, t + 4);
+      transposed16<V>(rows, so + QS + 32 * p, t), transposed16<V>(rows, so + QS + 16 + 32 * p, t + 4);
       for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
         vf dw, mw;
-        scales(2 * p + h, dw, mw);
-        for (int k = 0; k < 8; ++k) w[k] = V::and_(h ? V::srli16(t[k], 4) : t[k], m0F);
-        f(w, dw, mw, s * 8 + 2 * p + h);
+        scales(j, dw, mw);
+        for (int k = 0; k < 8; ++k) {
+          w[k] = V::and_(h ? V::srli16(t[k], 4) : t[k], m0F);
+          // bit j of each qh byte to bit 4 (16-bit shifts: what crosses a byte is masked off)
+          if constexpr (TY == Q5_K)
+            w[k] = or_(w[k], V::and_(j <= 4 ? slli16(qh[k], 4 - j) : V::srli16(qh[k], j - 4), m10));
+        }
+        f(w, dw, mw, s * 8 + j);
       }
     }
   }
 }
 
-template <class V>
-void q4k_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a, float* out, int64_t os,
+template <class V, int TY>
+void k45_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a, float* out, int64_t os,
                const uint8_t* const* nxt) {
   typedef typename V::vi vi;
   typedef typename V::vf vf;
@@ -288,7 +306,7 @@ void q4k_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a
     if (packed) {
       if (t0 == 0) {
         pk.resize(nsb * 8);
-        q4k_walk<V>(rp, nsb, nxt, [&](const vi* w, vf dw, vf mw, int64_t b) {
+        k45_walk<V, TY>(rp, nsb, nxt, [&](const vi* w, vf dw, vf mw, int64_t b) {
           for (int k = 0; k < 8; ++k) pk[b].w[k] = w[k];
           pk[b].dw = dw, pk[b].mw = mw;
         });
@@ -298,7 +316,7 @@ void q4k_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a
     }
     vf facc[C], macc[C];
     for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
-    q4k_walk<V>(rp, nsb, t0 == 0 ? nxt : nullptr, [&](const vi* w, vf dw, vf mw, int64_t b) {
+    k45_walk<V, TY>(rp, nsb, t0 == 0 ? nxt : nullptr, [&](const vi* w, vf dw, vf mw, int64_t b) {
       lane_block<V, Q4_1, C>(w, dw, mw, xs, b, facc, macc);
     });
     for (int c = 0; c < C; ++c) V::store(tmp + c * V::N, V::add(facc[c], macc[c]));  // qtile_packed's ending
@@ -361,21 +379,24 @@ void q6k_row(const uint8_t* row, int64_t nsb, const Acts& a, const int32_t* cons
   }
 }
 
-// Q4_K: Q4_1's lane chain per sub-block (quant.h lane_block), one row at a time
-void q4k_row(const uint8_t* row, int64_t nsb, const Acts& a, float* out, int64_t os) {
+// Q4_K and Q5_K: Q4_1's lane chain per sub-block (quant.h lane_block), one row at a time
+void k45_row(int ty, const uint8_t* row, int64_t nsb, const Acts& a, float* out, int64_t os) {
   for (int64_t t = 0; t < a.T; ++t) {
     const Q8& x = a.q[t];
     float facc = 0.f, macc = 0.f;
     for (int64_t s = 0; s < nsb; ++s) {
-      const uint8_t* blk = row + s * SB4_BYTES;
+      const uint8_t* blk = row + s * k45_bytes(ty);
       const float d = f16_scale(blk), ndmin = f16_scale(blk + 2) * -1.f;
       for (int j = 0; j < 8; ++j) {
         uint8_t sc, m;
         k4_scale_min(j, blk + 4, sc, m);
         const int64_t b = s * 8 + j;
-        const uint8_t* qs = blk + 16 + 32 * (j / 2);
+        const uint8_t *qs = blk + k45_qs(ty) + 32 * (j / 2), *qh = blk + 16;
         int32_t sum = 0;
-        for (int l = 0; l < 32; ++l) sum += ((qs[l] >> (4 * (j & 1))) & 15) * (int32_t)x.qs[b * QK + l];
+        for (int l = 0; l < 32; ++l) {
+          const int32_t q = ((qs[l] >> (4 * (j & 1))) & 15) | (ty == Q5_K ? ((qh[l] >> j) & 1) << 4 : 0);
+          sum += q * (int32_t)x.qs[b * QK + l];
+        }
         facc = std::fma((float)sum, (d * (float)sc) * x.d[b], facc);
         macc = std::fma(ndmin * (float)m, x.s[b], macc);
       }
@@ -387,17 +408,20 @@ void q4k_row(const uint8_t* row, int64_t nsb, const Acts& a, float* out, int64_t
 
 }  // namespace
 
-void q4k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
+void k45_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
                   const uint8_t* const* next, int64_t n_next) {
   const int64_t nsb = a.n / SB;
 #if defined(PINFER_AVX2)
   in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
                                             const uint8_t* const* nx) {
-    q4k_group<decltype(v)>(g, m, nsb, a, o, os, nx);
+    if (type == Q5_K)
+      k45_group<decltype(v), Q5_K>(g, m, nsb, a, o, os, nx);
+    else
+      k45_group<decltype(v), Q4_K>(g, m, nsb, a, o, os, nx);
   });
 #else
   (void)next, (void)n_next;
-  for (int64_t r = 0; r < n; ++r) q4k_row(rows[r], nsb, a, out + r, os);
+  for (int64_t r = 0; r < n; ++r) k45_row(type, rows[r], nsb, a, out + r, os);
 #endif
 }
 

@@ -23,7 +23,7 @@ namespace pinfer {
 
 namespace {
 
-constexpr int Q5_0 = 6, Q5_1 = 7, Q5_K = 13;  // Q4_K, Q6_K: quant.h
+constexpr int Q5_0 = 6, Q5_1 = 7;  // Q4_K, Q5_K, Q6_K: quant.h
 
 void q5_1_row(const uint8_t* b, int64_t nb, float* y) {
   for (int64_t i = 0; i < nb; ++i, b += 24, y += 32) {
@@ -62,8 +62,8 @@ void q45k_row(const uint8_t* b, int64_t nb, bool five, float* y) {
 
 }  // namespace
 
-// (also the kernels' Q4_K dequantisation: kernels.h)
-void q4k_to_f32(const uint8_t* b, int64_t nb, float* y) { q45k_row(b, nb, false, y); }
+// (also the kernels' Q4_K / Q5_K dequantisation: kernels.h)
+void q45k_to_f32(const uint8_t* b, int64_t nb, bool five, float* y) { q45k_row(b, nb, five, y); }
 
 // (also the kernels' Q6_K dequantisation: kernels.h)
 void q6k_to_f32(const uint8_t* b, int64_t nb, float* y) {
