@@ -1,7 +1,7 @@
-"""A K-quant file as pinfer runs it, against the re-encodings it could take instead: Q4_K and Q5_K (most of llama.cpp's
-Q4_K_M and Q5_K_M) and Q6_K (their attn_v and half their ffn_down, the output head of llama.cpp's Q4_0 files) are
-read in place by default, against Q4_K re-encoded as Q4_1 (the default until 2026-12-07) or as Q8_0, and Q5_K and
-Q6_K as Q8_0.
+"""A K-quant (or IQ4) file as pinfer runs it, against the re-encodings it could take instead: Q4_K and Q5_K (most of
+llama.cpp's Q4_K_M and Q5_K_M), Q6_K (their attn_v and half their ffn_down, the output head of llama.cpp's Q4_0
+files), IQ4_NL and IQ4_XS are read in place by default, against each re-encoded as Q8_0 (and Q4_K as Q4_1, the
+default until 2026-12-07).
 
     python benchmarks/kquant.py --model m-q4_k_m.gguf                        # memory, load, paired decode speed
     python benchmarks/kquant.py --model m-q4_0.gguf                          # a Q4_0 file's Q6_K head alone
@@ -114,13 +114,10 @@ def main() -> None:
     variants = {"default": (None, weights.runnable)}
     if T.Q4_K in held:
         variants["q4_k_as_q4_1"] = (T.Q4_K, weights.runnable)
-        variants["q4_k_as_q8_0"] = (T.Q4_K, as_q8_0)
-    if T.Q5_K in held:
-        variants["q5_k_as_q8_0"] = (T.Q5_K, weights.runnable)
-    if T.Q6_K in held:
-        variants["q6_k_as_q8_0"] = (T.Q6_K, weights.runnable)
+    for t in sorted(held & (weights.KERNEL_TYPES - weights.ROW_TYPES)):  # the types read by dot products only
+        variants[f"{t.name.lower()}_as_q8_0"] = (t, as_q8_0)
     if len(variants) == 1:
-        raise SystemExit(f"{args.model}: no Q4_K, Q5_K or Q6_K tensors, nothing to compare")
+        raise SystemExit(f"{args.model}: no Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS tensors, nothing to compare")
     models, res = {}, {"model": args.model, "threads": args.threads, "variants": {}}
     for name, (out, fn) in variants.items():
         loader.runnable = fn

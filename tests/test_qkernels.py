@@ -243,14 +243,20 @@ def test_qmatmul_tokens_get_their_bits_alone(ops, name, rows, cols):
 
 # --- K-quants: Q4_K and Q6_K read in place by dot products (runtime/cpu/csrc/kquant.cpp) ----------------------------
 
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-KQUANTS = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
+KQUANTS = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "IQ4_NL": IQ4_NL, "IQ4_XS": IQ4_XS}  # read by dot products only
 
 
 def encode_kquant(rng: np.random.Generator, rows: int, cols: int, t: int) -> np.ndarray:
-    """Random Q4_K, Q5_K or Q6_K rows, uint8 [rows, cols / 256 * unit bytes]: every bit pattern of the quants and the
-    6-bit or int8 sub-block scales (and Q4_K's / Q5_K's mins), and half float super-block scales of both signs."""
-    if t == Q6_K:
+    """Random Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS rows, uint8 [rows, cols / values per unit * unit bytes]: every bit
+    pattern of the quants and the sub-block scales (and Q4_K's / Q5_K's mins), and half float scales of both signs."""
+    if t == IQ4_NL:
+        raw = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
+        raw[..., 0:2] = (rng.standard_normal((rows, cols // 32, 1)) * 2e-3).astype(np.float16).view(np.uint8)
+    elif t == IQ4_XS:
+        raw = rng.integers(0, 256, (rows, cols // 256, 136), dtype=np.uint8)
+        raw[..., 0:2] = (rng.standard_normal((rows, cols // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
+    elif t == Q6_K:
         raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
         raw[..., 208:] = (rng.standard_normal((rows, cols // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
     else:

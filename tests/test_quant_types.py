@@ -1,8 +1,8 @@
 """Every supported ggml type loads and runs: logits equal those of an F32 file holding the dequantised values.
 
-Types with a C++ kernel (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are read in place; the others are
-re-encoded once (float32 copies when the kernels are unavailable). Both are checked at decode size (one token at a
-time, the GEMV kernels) and at prefill size (many rows, the GEMM path).
+Types with a C++ kernel (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) are read in place;
+the others are re-encoded once (float32 copies when the kernels are unavailable). Both are checked at decode size
+(one token at a time, the GEMV kernels) and at prefill size (many rows, the GEMM path).
 """
 
 import os
@@ -23,22 +23,22 @@ from pinfer_llm.runtime.weights import KERNEL_TYPES, SUPPORTED_TYPES, QWeight, a
 from tests.tiny import random_weights, tiny_config
 
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16]  # gguf.quants can write these
-K_QUANTS = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}  # bytes per 256-weight block; gguf.quants only reads these
+# gguf.quants only reads these: (values, bytes) per block and the offsets of its f16 scales
+K_QUANTS = {T.Q4_K: (256, 144, (0, 2)), T.Q5_K: (256, 176, (0, 2)), T.Q6_K: (256, 210, (208,)),
+            T.IQ4_NL: (32, 18, (0,)), T.IQ4_XS: (256, 136, (0,))}
 KERNELS = os.environ.get("PINFER_CPU_KERNELS") != "0"
 
 
 def random_k_blocks(qt: T, shape: tuple[int, int], rng) -> np.ndarray:
-    """Random K-quant rows with sane fp16 scales (their bits are random otherwise)."""
+    """Random K-quant (or IQ4) rows with sane fp16 scales (their bits are random otherwise)."""
     rows, cols = shape
-    nb = cols // 256
-    blocks = rng.integers(0, 256, (rows, nb, K_QUANTS[qt]), dtype=np.uint8)
+    values, size, scales = K_QUANTS[qt]
+    nb = cols // values
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
     d = np.full((rows, nb), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, nb, 2)
-    if qt == T.Q6_K:  # ql, qh, scales, d
-        blocks[..., -2:] = d
-    else:
-        blocks[..., 0:2] = d  # d, dmin, scales, ...
-        blocks[..., 2:4] = d
-    return blocks.reshape(rows, nb * K_QUANTS[qt])
+    for o in scales:
+        blocks[..., o:o + 2] = d
+    return blocks.reshape(rows, nb * size)
 
 
 def encode(qt: T, a: np.ndarray, rng) -> RawTensor:
@@ -76,7 +76,7 @@ def model(request, tmp_path_factory):
     cfg = tiny_config(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, vocab_size=320)
     w = random_weights(cfg, seed=11, scale=0.05)
     rng = np.random.default_rng(0)
-    kernel = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+    kernel = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
     types = kernel if request.param == "kernel-types" else kernel + [T.Q5_0, T.Q5_1]
     mixed, i = {}, 0
     for name, a in w.items():
@@ -109,7 +109,7 @@ def test_kernels_read_the_kernel_types_in_place(model):
     if KERNELS:
         assert all(w.in_kernel for w in _matrices(m.transformer))  # every matrix the layers use, a kernel reads
         assert ("Q5_1 as Q8_0" in notes) == (kind == "every-type")
-        assert not any(f"{k} as" in notes for k in ("Q4_K", "Q5_K", "Q6_K"))  # in place (runtime/cpu/csrc/kquant.cpp)
+        assert not any(f"{k.name} as" in notes for k in K_QUANTS)  # in place (runtime/cpu/csrc/kquant.cpp)
         assert "float32 copies" not in notes
     else:
         assert "float32 copies" in notes

@@ -20,11 +20,11 @@ from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, tensor_nbytes
 
 # Types pinfer's C++ kernels read in place; every other readable type is re-encoded at load (runnable) or, without
-# the kernels, dequantised (gguf.quants) to a float copy. The K-quants Q4_K, Q5_K and Q6_K only as matrices (dot
-# products, runtime/cpu/csrc/kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's copies take
-# ROW_TYPES (rows_runnable: Q4_K as Q4_1, Q5_K and Q6_K as Q8_0).
-KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
-ROW_TYPES = KERNEL_TYPES - {T.Q4_K, T.Q5_K, T.Q6_K}
+# the kernels, dequantised (gguf.quants) to a float copy. The K-quants Q4_K, Q5_K, Q6_K and IQ4_NL / IQ4_XS only as
+# matrices (dot products, runtime/cpu/csrc/kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's
+# copies take ROW_TYPES (rows_runnable: Q4_K as Q4_1, the others as Q8_0).
+KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
+ROW_TYPES = KERNEL_TYPES - {T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
 # Types gguf.quants can dequantise: the ones a model may use at all.
 SUPPORTED_TYPES = KERNEL_TYPES | {T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
 
@@ -198,8 +198,8 @@ def runnable(w: QWeight) -> QWeight:
 
 
 def rows_runnable(w: QWeight) -> QWeight:
-    """w in a type that axpy and the GPU kernels read too (ROW_TYPES): itself, or a K-quant re-encoded (Q4_K as Q4_1,
-    Q5_K and Q6_K as Q8_0)."""
+    """w in a type that axpy and the GPU kernels read too (ROW_TYPES): itself, or re-encoded (Q4_K as Q4_1; Q5_K, Q6_K,
+    IQ4_NL and IQ4_XS as Q8_0)."""
     if w.qtype not in KERNEL_TYPES or w.qtype in ROW_TYPES:
         return w
     return as_q4_1(w) if w.qtype == T.Q4_K else as_q8_0(w)
@@ -224,7 +224,8 @@ def quantize_like(a: torch.Tensor, qtype: T, name: str) -> QWeight:
 # Per block type: (bytes per block, offsets of its f16 scales). A block's values are integers times these (plus a
 # min for the _1 and K types), so they are all finite exactly when its scales are.
 _SCALES = {T.Q4_0: (18, (0,)), T.Q4_1: (20, (0, 2)), T.Q8_0: (34, (0,)), T.Q5_0: (22, (0,)), T.Q5_1: (24, (0, 2)),
-           T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
+           T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,)), T.IQ4_NL: (18, (0,)),
+           T.IQ4_XS: (136, (0,))}
 
 
 def has_nonfinite(w: QWeight, stride: int = 1) -> bool:

@@ -51,6 +51,23 @@ constexpr int64_t k45_qs(int ty) { return ty == Q5_K ? 48 : 16; }
 // the same ql bytes, 1 and 3 of the next 32, so the tile keeps one transposed set in registers at a time
 constexpr int CHUNK_ORDER[4] = {0, 2, 1, 3};
 
+// IQ4_NL's and IQ4_XS's levels: value = scale * IQ4_LEVELS[nibble] (ggml's kvalues_iq4nl)
+constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// block b (32 values) of an IQ4_NL / IQ4_XS row: its 16 quant bytes, and its scale in dw (IQ4_XS: d (ls - 32), ls
+// the sub-block's 6-bit scale: 4 bits of scales_l, 2 of scales_h)
+inline const uint8_t* iq4_block(int ty, const uint8_t* row, int64_t b, float& dw) {
+  if (ty == IQ4_NL) {
+    dw = f16_scale(row + b * 18);
+    return row + b * 18 + 2;
+  }
+  const uint8_t* sb = row + b / 8 * 136;
+  const int ib = (int)(b % 8);
+  const int ls = ((sb[4 + ib / 2] >> (4 * (ib % 2))) & 15) | ((rd_u16(sb + 2) >> (2 * ib)) & 3) << 4;
+  dw = f16_scale(sb) * (float)(ls - 32);
+  return sb + 8 + 16 * ib;
+}
+
 // per token and block b: 32 x the sums of x over values 0-15 and 16-31 (the -32 of q - 32, for each sub-block)
 void half_sums(const Q8& x, int64_t nb, int32_t* off) {
   for (int64_t b = 0; b < nb; ++b) {
@@ -293,34 +310,114 @@ inline void k45_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* con
   }
 }
 
-template <class V, int TY>
-void k45_group(const uint8_t* const* rows, int64_t n, int64_t nsb, const Acts& a, float* out, int64_t os,
-               const uint8_t* const* nxt) {
+// N rows' sub-blocks as lane registers, walk(rp, nxt, f) handing f(w, dw, mw, b) each 32-value block b in order, through
+// the lane block of LT (quant.h lane_block: Q4_1's unsigned quants with a min, or Q8_0's signed ones) against every
+// token, C at a time: streaming (the rows unpacked in step with the tile) for up to 4 tokens, else the blocks
+// unpacked once (LanePack) and read from cache by each tile of 4 (see Q6Chunk). The same operations in the same order
+// either way, so the same bits.
+template <class V, int LT, class Walk>
+void lane_group(const uint8_t* const* rows, int64_t n, int64_t nb, const Acts& a, float* out, int64_t os,
+                const uint8_t* const* nxt, Walk&& walk) {
   typedef typename V::vi vi;
   typedef typename V::vf vf;
-  const bool packed = a.T > 4;  // the sub-blocks unpacked once for every 4 tokens (see Q6Chunk)
+  const bool packed = a.T > 4;
   thread_local std::vector<LanePack<V>> pk;
   by_tokens<V::N>(rows, n, a.T, out, os, [&](auto cc, const uint8_t* const* rp, int64_t t0, float* tmp) {
     constexpr int C = decltype(cc)::value;
     const Q8* xs = a.q.data() + t0;
     if (packed) {
       if (t0 == 0) {
-        pk.resize(nsb * 8);
-        k45_walk<V, TY>(rp, nsb, nxt, [&](const vi* w, vf dw, vf mw, int64_t b) {
+        pk.resize(nb);
+        walk(rp, nxt, [&](const vi* w, vf dw, vf mw, int64_t b) {
           for (int k = 0; k < 8; ++k) pk[b].w[k] = w[k];
           pk[b].dw = dw, pk[b].mw = mw;
         });
       }
-      qtile_packed<V, Q4_1, C>(pk.data(), xs, nsb * 8, tmp, V::N);
+      qtile_packed<V, LT, C>(pk.data(), xs, nb, tmp, V::N);
       return;
     }
     vf facc[C], macc[C];
     for (int c = 0; c < C; ++c) facc[c] = macc[c] = V::zero_f();
-    k45_walk<V, TY>(rp, nsb, t0 == 0 ? nxt : nullptr, [&](const vi* w, vf dw, vf mw, int64_t b) {
-      lane_block<V, Q4_1, C>(w, dw, mw, xs, b, facc, macc);
+    walk(rp, t0 == 0 ? nxt : nullptr, [&](const vi* w, vf dw, vf mw, int64_t b) {
+      lane_block<V, LT, C>(w, dw, mw, xs, b, facc, macc);
     });
-    for (int c = 0; c < C; ++c) V::store(tmp + c * V::N, V::add(facc[c], macc[c]));  // qtile_packed's ending
+    for (int c = 0; c < C; ++c)  // qtile_packed's ending
+      V::store(tmp + c * V::N, LT == Q4_1 ? V::add(facc[c], macc[c]) : facc[c]);
   });
+}
+
+// --- IQ4_NL and IQ4_XS ----------------------------------------------------------------------------------------------
+// A 32-value IQ4_NL block is Q4_0's {f16 d; u8 qs[16]} with value d * KV[nibble] (a fixed non-uniform table of int8
+// levels) instead of d (nibble - 8). IQ4_XS keeps 8 such sub-blocks in a 256-value super-block, each with a 6-bit
+// scale: value d (ls - 32) KV[nibble]. The nibbles become the table's int8 levels by one byte shuffle, and each block
+// goes through Q8_0's lane block (signed quants: with VNNI the levels + 128, the sum starting at -128 sum(x)).
+alignas(16) constexpr int8_t IQ4_LANE[16] = {
+#if defined(PINFER_VNNI)
+    1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15};  // the levels + 128, as bytes
+#else
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#endif
+
+inline __m256i table16(__m256i*) { return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)IQ4_LANE)); }
+inline __m256i shuffle8(__m256i t, __m256i i) { return _mm256_shuffle_epi8(t, i); }
+#if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
+inline __m512i table16(__m512i*) { return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_LANE)); }
+inline __m512i shuffle8(__m512i t, __m512i i) { return _mm512_shuffle_epi8(t, i); }
+#endif
+
+// the 16 quant bytes at bo of each row (32 values) as Q8_0's lane registers w[0..7]
+template <class V>
+inline void iq4_levels(const uint8_t* const* rows, int64_t bo, typename V::vi tbl, typename V::vi* w) {
+  typename V::vi t[4];
+  transposed16<V>(rows, bo, t);
+  const typename V::vi m0F = V::set1_8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    w[k] = shuffle8(tbl, V::and_(t[k], m0F));
+    w[4 + k] = shuffle8(tbl, V::and_(V::srli16(t[k], 4), m0F));
+  }
+}
+
+// Walks V::N rows of nb blocks (IQ4_NL: 18 bytes each; IQ4_XS: 8 per 136-byte super-block), f(w, dw, mw = 0, b)
+template <class V, int TY, class F>
+inline void iq4_walk(const uint8_t* const* rows, int64_t nb, const uint8_t* const* nxt, F&& f) {
+  typedef typename V::vi vi;
+  typedef typename V::vf vf;
+  const vi tbl = table16((vi*)nullptr), m15 = V::set1_32(15), m3 = V::set1_32(3), c32 = V::set1_32(32);
+  vi w[8];
+  vf d, unused;
+  if constexpr (TY == IQ4_NL) {
+    const Leads<V> leads(rows);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t bo = b * 18;
+      if (b % 3 == 0)
+        for (int r = 0; r < V::N; ++r) {
+          prefetch(rows[r] + bo + PF_AHEAD);
+          if (nxt) prefetch_l2(nxt[r] + bo);
+        }
+      V::halves(leads.at(rows, bo), d, unused, false);
+      iq4_levels<V>(rows, bo + 2, tbl, w);
+      f(w, d, V::zero_f(), b);
+    }
+  } else {
+    for (int64_t s = 0; s < nb / 8; ++s) {
+      const int64_t so = s * 136;
+      for (int r = 0; r < V::N; ++r)
+        for (int64_t a = 0; a < 136; a += 64) {
+          prefetch(rows[r] + so + 2 * 136 + a);
+          if (nxt) prefetch_l2(nxt[r] + so + a);
+        }
+      vi h[4];  // lane j: row j's d | scales_h << 16 in h[0], scales_l[0..3] in h[1]
+      transposed16<V>(rows, so, h);
+      V::halves(h[0], d, unused, false);
+      const vi sh = srli32(h[0], 16);
+      for (int ib = 0; ib < 8; ++ib) {
+        const vi ls = or_(V::and_(srli32(h[1], 8 * (ib / 2) + 4 * (ib % 2)), m15),
+                          slli32(V::and_(srli32(sh, 2 * ib), m3), 4));
+        iq4_levels<V>(rows, so + 8 + 16 * ib, tbl, w);
+        f(w, V::mul(d, V::cvt(sub32(ls, c32))), V::zero_f(), s * 8 + ib);
+      }
+    }
+  }
 }
 
 // n rows in groups of the widest tile, the last ones 8 at a time (the same bits per row in either tile), each group
@@ -404,6 +501,23 @@ void k45_row(int ty, const uint8_t* row, int64_t nsb, const Acts& a, float* out,
     out[t * os] = facc + macc;
   }
 }
+
+// IQ4_NL and IQ4_XS: Q8_0's lane chain per block (quant.h lane_block), one row at a time
+void iq4_row(int ty, const uint8_t* row, int64_t nb, const Acts& a, float* out, int64_t os) {
+  for (int64_t t = 0; t < a.T; ++t) {
+    const Q8& x = a.q[t];
+    float facc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float dw;
+      const uint8_t* qs = iq4_block(ty, row, b, dw);
+      const int8_t* xq = x.qs + b * QK;
+      int32_t sum = 0;
+      for (int l = 0; l < 16; ++l) sum += IQ4_LEVELS[qs[l] & 15] * xq[l] + IQ4_LEVELS[qs[l] >> 4] * xq[16 + l];
+      facc = std::fma((float)sum, dw * x.d[b], facc);
+    }
+    out[t * os] = facc;
+  }
+}
 #endif
 
 }  // namespace
@@ -414,10 +528,15 @@ void k45_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a
 #if defined(PINFER_AVX2)
   in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
                                             const uint8_t* const* nx) {
+    typedef decltype(v) V;
     if (type == Q5_K)
-      k45_group<decltype(v), Q5_K>(g, m, nsb, a, o, os, nx);
+      lane_group<V, Q4_1>(g, m, nsb * 8, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
+        k45_walk<V, Q5_K>(rp, nsb, nxt, f);
+      });
     else
-      k45_group<decltype(v), Q4_K>(g, m, nsb, a, o, os, nx);
+      lane_group<V, Q4_1>(g, m, nsb * 8, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
+        k45_walk<V, Q4_K>(rp, nsb, nxt, f);
+      });
   });
 #else
   (void)next, (void)n_next;
@@ -444,6 +563,39 @@ void q6k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* o
   (void)next, (void)n_next;
   for (int64_t r = 0; r < n; ++r) q6k_row(rows[r], nsb, a, offs.data(), out + r, os);
 #endif
+}
+
+void iq4_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
+                  const uint8_t* const* next, int64_t n_next) {
+  const int64_t nb = a.n / QK;
+#if defined(PINFER_AVX2)
+  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
+                                            const uint8_t* const* nx) {
+    typedef decltype(v) V;
+    if (type == IQ4_XS)
+      lane_group<V, Q8_0>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
+        iq4_walk<V, IQ4_XS>(rp, nb, nxt, f);
+      });
+    else
+      lane_group<V, Q8_0>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
+        iq4_walk<V, IQ4_NL>(rp, nb, nxt, f);
+      });
+  });
+#else
+  (void)next, (void)n_next;
+  for (int64_t r = 0; r < n; ++r) iq4_row(type, rows[r], nb, a, out + r, os);
+#endif
+}
+
+void iq4_to_f32(int type, const uint8_t* row, int64_t n, float* out) {
+  for (int64_t b = 0; b < n / QK; ++b) {
+    float dw;
+    const uint8_t* qs = iq4_block(type, row, b, dw);
+    for (int l = 0; l < 16; ++l) {
+      out[b * QK + l] = dw * (float)IQ4_LEVELS[qs[l] & 15];
+      out[b * QK + 16 + l] = dw * (float)IQ4_LEVELS[qs[l] >> 4];
+    }
+  }
 }
 
 }  // namespace pinfer

@@ -106,7 +106,7 @@ void check_f32(const at::Tensor& t, const char* name) {
 // cols: expected values per row (-1: any).
 Mat as_mat(const at::Tensor& w, int64_t type, int64_t cols, const char* name) {
   TORCH_CHECK(type_known((int)type), name, ": unsupported weight type code ", type,
-              " (F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30)");
+              " (F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23, BF16 30)");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, name, ": a 2-d CPU tensor [rows, row_bytes]");
   const auto st = w.scalar_type();
   const bool dtype_ok = st == at::kByte || (type == F32 && st == at::kFloat) || (type == F16 && st == at::kHalf) ||
@@ -127,9 +127,9 @@ Mat as_mat(const at::Tensor& w, int64_t type, int64_t cols, const char* name) {
   return m;
 }
 
-// neuron rows that axpy reads (ffn_down_t, a transposed fc2): not the K-quants, which only dot products read (quant.h)
+// neuron rows that axpy reads (ffn_down_t, a transposed fc2): not the types only dot products read (quant.h dot_only)
 void check_axpy(const Mat& m, const char* name) {
-  TORCH_CHECK(!is_kquant(m.type), name, ": ", type_name(m.type), " rows are read by dot products only; neuron rows "
+  TORCH_CHECK(!dot_only(m.type), name, ": ", type_name(m.type), " rows are read by dot products only; neuron rows "
               "(axpy) must be re-encoded (runtime/weights.py rows_runnable)");
 }
 
@@ -416,7 +416,7 @@ at::Tensor device_layout_op(const at::Tensor& rows, int64_t type, int64_t cols, 
 
 at::Tensor requant_q8_0_op(const at::Tensor& rows, int64_t type, int64_t cols) {
   TORCH_CHECK(requant_type_known((int)type), "requant_q8_0: unsupported type ", type,
-              " (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)");
+              " (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
   const int64_t rb = requant_row_bytes((int)type, cols);
   TORCH_CHECK(cols > 0 && cols % (type == 6 || type == 7 ? 32 : 256) == 0,
               "requant_q8_0: cols must be a positive multiple of the type's block");

@@ -161,7 +161,9 @@ void requant_q4k_q4_1(const uint8_t* in, int64_t n, int64_t in_stride, int64_t c
   });
 }
 
-bool requant_type_known(int ty) { return ty == Q5_0 || ty == Q5_1 || ty == Q4_K || ty == Q5_K || ty == Q6_K; }
+bool requant_type_known(int ty) {
+  return ty == Q5_0 || ty == Q5_1 || ty == Q4_K || ty == Q5_K || ty == Q6_K || ty == IQ4_NL || ty == IQ4_XS;
+}
 
 int64_t requant_row_bytes(int ty, int64_t cols) {
   switch (ty) {
@@ -170,6 +172,8 @@ int64_t requant_row_bytes(int ty, int64_t cols) {
     case Q4_K: return cols / 256 * 144;
     case Q5_K: return cols / 256 * 176;
     case Q6_K: return cols / 256 * 210;
+    case IQ4_NL: return cols / 32 * 18;
+    case IQ4_XS: return cols / 256 * 136;
     default: return -1;
   }
 }
@@ -188,6 +192,8 @@ void requant_q8_0(const uint8_t* in, int64_t n, int64_t in_stride, int ty, int64
         q5_1_row(src, cols / 32, y.data());
       else if (ty == Q6_K)
         q6k_to_f32(src, cols / 256, y.data());
+      else if (ty == IQ4_NL || ty == IQ4_XS)
+        iq4_to_f32(ty, src, cols, y.data());
       else
         q45k_row(src, cols / 256, ty == Q5_K, y.data());
       to_q8_0(y.data(), cols, out + r * ob);
