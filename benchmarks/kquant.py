@@ -106,7 +106,7 @@ def main() -> None:
     from pinfer_llm.formats.reader import open_gguf
 
     f = open_gguf(args.model)
-    held = {t.ggml_type for t in f.tensors.values()}
+    held = {T(t.ggml_type) for t in f.tensors.values()}
     f.close()
     kernel_types = weights.KERNEL_TYPES
     as_q8_0 = lambda w: w if w.in_kernel else weights.as_q8_0(w)  # noqa: E731

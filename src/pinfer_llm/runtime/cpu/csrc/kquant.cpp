@@ -1,5 +1,5 @@
-// The K-quants of llama.cpp's Q4_K_M / Q5_K_M files read in place: dot products with q8 activations (dot_rows' Q4_K,
-// Q5_K and Q6_K paths). Q4_K or Q5_K holds most of such a file's matrices; Q6_K its attn_v and half its ffn_down, and
+// The K-quants of llama.cpp's Q4_K_M / Q5_K_M files, and IQ4_NL / IQ4_XS, read in place: dot products with q8
+// activations (dot_rows' Q4_K, Q5_K, Q6_K and IQ4 paths; the IQ4 types below). Q4_K or Q5_K holds most of such a file's matrices; Q6_K its attn_v and half its ffn_down, and
 // the output head of llama.cpp's Q4_0 files. Re-encoded (Q4_K as Q4_1, Q5_K and Q6_K as Q8_0) they cost 20 bytes per
 // 32 values against 18, 34 against 22 and 26.25, as a copy in memory (a 1B Q4_K_M file: 0.77 GB of copies besides
 // the mapped file).
@@ -351,17 +351,26 @@ void lane_group(const uint8_t* const* rows, int64_t n, int64_t nb, const Acts& a
 // levels) instead of d (nibble - 8). IQ4_XS keeps 8 such sub-blocks in a 256-value super-block, each with a 6-bit
 // scale: value d (ls - 32) KV[nibble]. The nibbles become the table's int8 levels by one byte shuffle, and each block
 // goes through Q8_0's lane block (signed quants: with VNNI the levels + 128, the sum starting at -128 sum(x)).
-alignas(16) constexpr int8_t IQ4_LANE[16] = {
+// the levels as the lane tiles multiply them: Q8_0's quants (quant.h lane_weights: with VNNI + 128, as bytes)
+struct Levels {
+  alignas(16) int8_t v[16];
+};
+constexpr Levels lane_levels() {
+  Levels t{};
+  for (int i = 0; i < 16; ++i)
 #if defined(PINFER_VNNI)
-    1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15};  // the levels + 128, as bytes
+    t.v[i] = (int8_t)(IQ4_LEVELS[i] ^ 0x80);
 #else
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    t.v[i] = IQ4_LEVELS[i];
 #endif
+  return t;
+}
+constexpr Levels IQ4_LANE = lane_levels();
 
-inline __m256i table16(__m256i*) { return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)IQ4_LANE)); }
+inline __m256i table16(__m256i*) { return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)IQ4_LANE.v)); }
 inline __m256i shuffle8(__m256i t, __m256i i) { return _mm256_shuffle_epi8(t, i); }
 #if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
-inline __m512i table16(__m512i*) { return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_LANE)); }
+inline __m512i table16(__m512i*) { return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_LANE.v)); }
 inline __m512i shuffle8(__m512i t, __m512i i) { return _mm512_shuffle_epi8(t, i); }
 #endif
 
@@ -389,7 +398,7 @@ inline void iq4_walk(const uint8_t* const* rows, int64_t nb, const uint8_t* cons
     const Leads<V> leads(rows);
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t bo = b * 18;
-      if (b % 3 == 0)
+      if (b % 3 == 0)  // once per cache line of each row (quant.h qtile_lanes' PF_EVERY)
         for (int r = 0; r < V::N; ++r) {
           prefetch(rows[r] + bo + PF_AHEAD);
           if (nxt) prefetch_l2(nxt[r] + bo);
