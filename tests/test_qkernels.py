@@ -193,7 +193,7 @@ def test_float_dtypes_are_accepted(ops):
 def test_bad_weights_are_clear_errors(ops):
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="unsupported weight type"):
-        ops.qmatmul(x, [torch.zeros(4, 36, dtype=torch.uint8)], [7])
+        ops.qmatmul(x, [torch.zeros(4, 36, dtype=torch.uint8)], [9])  # Q8_1: ggml's, not a weight type
     with pytest.raises(RuntimeError, match="expected 64"):
         ops.qmatmul(x, [torch.zeros(4, 18, dtype=torch.uint8)], [Q4_0])
     with pytest.raises(RuntimeError, match="not a whole number"):
@@ -243,14 +243,19 @@ def test_qmatmul_tokens_get_their_bits_alone(ops, name, rows, cols):
 
 # --- K-quants: Q4_K and Q6_K read in place by dot products (runtime/cpu/csrc/kquant.cpp) ----------------------------
 
-Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
-KQUANTS = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "IQ4_NL": IQ4_NL, "IQ4_XS": IQ4_XS}  # read by dot products only
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 6, 7, 12, 13, 14, 20, 23
+KQUANTS = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "IQ4_NL": IQ4_NL,
+           "IQ4_XS": IQ4_XS}  # the types read by dot products only
 
 
 def encode_kquant(rng: np.random.Generator, rows: int, cols: int, t: int) -> np.ndarray:
     """Random Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS rows, uint8 [rows, cols / values per unit * unit bytes]: every bit
     pattern of the quants and the sub-block scales (and Q4_K's / Q5_K's mins), and half float scales of both signs."""
-    if t == IQ4_NL:
+    if t in (Q5_0, Q5_1):  # d (and Q5_1's m), then qh and the nibbles
+        raw = rng.integers(0, 256, (rows, cols // 32, 22 if t == Q5_0 else 24), dtype=np.uint8)
+        n = 1 if t == Q5_0 else 2
+        raw[..., 0:2 * n] = (rng.standard_normal((rows, cols // 32, n)) * 2e-3).astype(np.float16).view(np.uint8)
+    elif t == IQ4_NL:
         raw = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
         raw[..., 0:2] = (rng.standard_normal((rows, cols // 32, 1)) * 2e-3).astype(np.float16).view(np.uint8)
     elif t == IQ4_XS:

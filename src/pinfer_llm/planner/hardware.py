@@ -122,8 +122,7 @@ GPU_DENSE_EFFICIENCY = {"f16": 0.87, "q8_0": 0.45, "q4_0": 0.30}
 GPU_SPARSE_EFFICIENCY = {"f16": 0.39, "q8_0": 0.23, "q4_0": 0.12}
 GPU_TYPE_LIKE = {"bf16": "f16", "f32": "f16", "q4_1": "q4_0", "q4_k": "q4_0", "q5_0": "q8_0", "q5_1": "q8_0",
                  "q5_k": "q8_0", "q6_k": "q8_0", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}  # the GPU's copies
-# (runtime/weights.py rows_runnable): Q4_K as Q4_1, Q5_K, Q6_K and the IQ4 types as Q8_0; Q5_0 / Q5_1 as Q8_0
-# everywhere (memory.RUN_AS)
+# (runtime/weights.py rows_runnable, memory.RUN_AS): Q4_K as Q4_1, Q5_*, Q6_K and the IQ4 types as Q8_0
 # The host thread per split layer and decode step. HOST_SPLIT_LAYER_US: pinfer's own Python around the device calls
 # (executor, CudaDevice's wrappers, staging): `python benchmarks/hybrid_overhead.py --json --steps 400`,
 # with_cuda_wrappers_us_per_layer, the median of 3 runs (16.3, 16.3, 16.6) on 2026-12-04 with each split layer's

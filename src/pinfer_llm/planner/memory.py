@@ -50,11 +50,10 @@ _NOT_MODEL = (C.GPU_IDX, C.GPU_BUCKET, C.ACT_COUNTS, C.ACT_PEAK)  # plans and st
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # Matrix types the GPU's kernels do not read: the runtime copies them into one they do (runtime/weights.py
 # rows_runnable: Q4_K as Q4_1, 20 bytes per 32 values; the others as Q8_0, 34), so that is what they cost in VRAM; a
-# test keeps this table equal to the runtime's choice. Q5_0 and Q5_1 cost that on the CPU too (runnable); the
-# K-quants and IQ4 types are read in place there (17 to 26.25 bytes per 32 values), which one count per tensor cannot
-# say: the plan charges them the copy everywhere, over-counting host RAM and the CPU's bytes per token for such layers
-# (safe for memory; it leans them towards the GPU) rather than under-counting VRAM. Row-read tables (token_embd) stay
-# as stored.
+# test keeps this table equal to the runtime's choice. On the CPU they are read in place (17 to 26.25 bytes per 32
+# values), which one count per tensor cannot say: the plan charges them the copy everywhere, over-counting host RAM
+# and the CPU's bytes per token for such layers (safe for memory; it leans them towards the GPU) rather than
+# under-counting VRAM. Row-read tables (token_embd) stay as stored.
 RUN_AS = {GGMLQuantizationType.Q4_K: 20, GGMLQuantizationType.Q5_0: 34, GGMLQuantizationType.Q5_1: 34,
           GGMLQuantizationType.Q5_K: 34, GGMLQuantizationType.Q6_K: 34, GGMLQuantizationType.IQ4_NL: 34,
           GGMLQuantizationType.IQ4_XS: 34}  # bytes per 32 values as run

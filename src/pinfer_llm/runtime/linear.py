@@ -2,8 +2,7 @@
 
 A Linear is one or more [out, in] matrices stacked along `out` (Q, K and V, or gate and up, computed in one call with
 no copy). Decode reads every weight once, so decode speed is set by bytes per weight: the C++ kernels read F16,
-BF16, Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K rows in place (runtime/cpu/qops.py); Q5_0 and Q5_1 are
-re-encoded at load, which load_model reports.
+BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, the K-quants and IQ4_NL / IQ4_XS rows in place (runtime/cpu/qops.py).
 """
 
 from __future__ import annotations

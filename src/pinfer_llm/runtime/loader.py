@@ -2,8 +2,8 @@
 
 No weight is copied: every matrix is a QWeight over the file's read-only memory map (runtime/weights.py), so loading
 is parsing the header plus these views, and a model needs about its file size in memory. Two exceptions, both
-reported in Load.notices: types without a C++ kernel (Q5_0, Q5_1) are re-encoded once as Q8_0 (the K-quants where
-they would be neuron rows as Q4_1 or Q8_0, which axpy reads; without the kernels, everything runs on float32 copies
+reported in Load.notices: the types only dot products read (Q5_0, Q5_1, the K-quants, IQ4) are re-encoded once as
+Q4_1 or Q8_0 where they would be neuron rows, which axpy reads (without the kernels, everything runs on float32 copies
 made on first use), and sparse mode over a file without PowerInfer's neuron-major ffn_down_t
 transposes ffn_down once, in memory, in the file's own encoding.
 """
@@ -114,11 +114,11 @@ def transposed(w: QWeight) -> QWeight:
 
 def matrix(f: GGUFFile, name: str, load: Load, rows: bool = False) -> QWeight:
     """A weight the layers multiply by, read in place when a C++ kernel reads its type. Other types are re-encoded
-    once into one the kernels read: Q5_0 and Q5_1 as Q8_0 (a float32 copy would cost 3.8x the memory and the
-    bandwidth of every token). The K-quants of llama.cpp's Q4_K_M / Q5_K_M files (Q4_K or Q5_K for most matrices,
-    Q6_K for attn_v, half the ffn_down and the output head of its Q4_0 files) are read in place by the dot products;
-    rows=True: neuron rows that axpy adds up (ffn_down_t), which it does not read, so Q4_K as Q4_1 (its sub-blocks up
-    to an f16 rounding of their scales, 1.1x the bytes), Q5_K and Q6_K as Q8_0."""
+    once into one the kernels read (none today; a float32 copy would cost 3.8x the memory and the bandwidth of every
+    token). Q5_0, Q5_1, the K-quants of llama.cpp's Q4_K_M / Q5_K_M files (Q4_K or Q5_K for most matrices, Q6_K for
+    attn_v, half the ffn_down and the output head of its Q4_0 files) and IQ4_NL / IQ4_XS are read in place by the dot
+    products; rows=True: neuron rows that axpy adds up (ffn_down_t), which it does not read, so Q4_K as Q4_1 (its
+    sub-blocks up to an f16 rounding of their scales, 1.1x the bytes) and the others as Q8_0 (Q5_0 exactly)."""
     w = qweight(f, name)
     if not qops.available() or (w.in_kernel and (not rows or w.qtype in ROW_TYPES)):
         return w

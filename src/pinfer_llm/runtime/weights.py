@@ -20,13 +20,14 @@ from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, tensor_nbytes
 
 # Types pinfer's C++ kernels read in place; every other readable type is re-encoded at load (runnable) or, without
-# the kernels, dequantised (gguf.quants) to a float copy. The K-quants Q4_K, Q5_K, Q6_K and IQ4_NL / IQ4_XS only as
+# the kernels, dequantised (gguf.quants) to a float copy. Q5_0, Q5_1, the K-quants and IQ4_NL / IQ4_XS only as
 # matrices (dot products, runtime/cpu/csrc/kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's
 # copies take ROW_TYPES (rows_runnable: Q4_K as Q4_1, the others as Q8_0).
-KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
-ROW_TYPES = KERNEL_TYPES - {T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
+KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
+                          T.IQ4_NL, T.IQ4_XS})
+ROW_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0})
 # Types gguf.quants can dequantise: the ones a model may use at all.
-SUPPORTED_TYPES = KERNEL_TYPES | {T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
+SUPPORTED_TYPES = KERNEL_TYPES
 
 
 def as_tensor(a: np.ndarray) -> torch.Tensor:
@@ -146,11 +147,11 @@ def q8_0_bytes(a: torch.Tensor) -> torch.Tensor:
 
 
 def as_q8_0(w: QWeight, chunk_rows: int = 1024, *, kernel: bool = True) -> QWeight:
-    """`w` re-encoded as Q8_0 in anonymous memory: for types without a C++ kernel (Q5_0, Q5_1, K-quants), which then
-    run on the Q8_0 kernels at 1.06 bytes per weight, 8 bits per value being finer than the 5-6 bits of the types it
-    replaces; Q5_0 is repacked exactly (q5_0_as_q8_0). By the C++ op (runtime/cpu/csrc/requant.cpp, multithreaded) when
-    the kernels are built, else (or with kernel=False) in numpy (through gguf.quants a block of rows at a time, so no
-    float copy of the whole matrix exists at once): the same bytes (tested), ~30x slower."""
+    """`w` re-encoded as Q8_0 in anonymous memory: for the types only dot products read (Q5_0, Q5_1, K-quants, IQ4)
+    where axpy or a GPU reads them, at 1.06 bytes per weight, 8 bits per value being finer than the 4-6 bits of the
+    types it replaces; Q5_0 is repacked exactly (q5_0_as_q8_0). By the C++ op (runtime/cpu/csrc/requant.cpp,
+    multithreaded) when the kernels are built, else (or with kernel=False) in numpy (through gguf.quants a block of
+    rows at a time, so no float copy of the whole matrix exists at once): the same bytes (tested), ~30x slower."""
     from pinfer_llm.runtime.cpu import kernels as cpu_kernels
 
     if kernel and cpu_kernels.available():
@@ -190,16 +191,16 @@ def as_q4_1(w: QWeight) -> QWeight:
 
 
 def runnable(w: QWeight) -> QWeight:
-    """w in a type the kernels read: itself, or its re-encoding (Q5_0 and Q5_1 as Q8_0; a K-quant whose kernel is not
-    used, Q4_K as Q4_1 and the others as Q8_0)."""
+    """w in a type the kernels read: itself (every type today), or, for a type whose kernel is taken out (as
+    benchmarks/kquant.py does to compare), its re-encoding: Q4_K as Q4_1, the others as Q8_0."""
     if w.in_kernel:
         return w
     return as_q4_1(w) if w.qtype == T.Q4_K else as_q8_0(w)
 
 
 def rows_runnable(w: QWeight) -> QWeight:
-    """w in a type that axpy and the GPU kernels read too (ROW_TYPES): itself, or re-encoded (Q4_K as Q4_1; Q5_K, Q6_K,
-    IQ4_NL and IQ4_XS as Q8_0)."""
+    """w in a type that axpy and the GPU kernels read too (ROW_TYPES): itself, or re-encoded (Q4_K as Q4_1; the other
+    dot-product-only types as Q8_0, Q5_0 exactly)."""
     if w.qtype not in KERNEL_TYPES or w.qtype in ROW_TYPES:
         return w
     return as_q4_1(w) if w.qtype == T.Q4_K else as_q8_0(w)

@@ -219,6 +219,7 @@ void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, fl
               const uint8_t* const* next, int64_t n_next) {
   if (n > 0 && a.T > 0 && (type == Q4_K || type == Q5_K))
     return k45_dot_rows(type, rows, n, a, out, ostride, next, n_next);
+  if (n > 0 && a.T > 0 && (type == Q5_0 || type == Q5_1)) return q5_dot_rows(type, rows, n, a, out, ostride, next, n_next);
   if (n > 0 && a.T > 0 && (type == IQ4_NL || type == IQ4_XS))
     return iq4_dot_rows(type, rows, n, a, out, ostride, next, n_next);
   if (n > 0 && a.T > 0 && type == Q6_K) return q6k_dot_rows(rows, n, a, out, ostride, next, n_next);
@@ -244,6 +245,7 @@ void dequant_rows(const Mat& w, const int64_t* ids, int64_t n, float* out) {
 void row_to_f32(int type, const uint8_t* row, int64_t n, float* out) {
   if (type == Q4_K || type == Q5_K) return q45k_to_f32(row, n / 256, type == Q5_K, out);
   if (type == IQ4_NL || type == IQ4_XS) return iq4_to_f32(type, row, n, out);
+  if (type == Q5_0 || type == Q5_1) return q5_to_f32(type, row, n, out);
   if (type == Q6_K) return q6k_to_f32(row, n / 256, out);
   PINFER_BY_TYPE(type, dequant_row, row, n, out)
 }

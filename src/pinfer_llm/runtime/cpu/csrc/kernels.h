@@ -63,6 +63,10 @@ void iq4_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a
                   const uint8_t* const* next, int64_t n_next);
 // n values of an IQ4_NL / IQ4_XS row as floats, as gguf-py's dequantiser computes them (kquant.cpp)
 void iq4_to_f32(int type, const uint8_t* row, int64_t n, float* out);
+// and for Q5_0 / Q5_1 rows (type)
+void q5_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t ostride,
+                 const uint8_t* const* next, int64_t n_next);
+void q5_to_f32(int type, const uint8_t* row, int64_t n, float* out);
 // nb Q4_K / Q5_K / Q6_K super-blocks as 256 nb floats, as ggml's reference dequantisers compute them (requant.cpp)
 void q45k_to_f32(const uint8_t* b, int64_t nb, bool five, float* y);
 void q6k_to_f32(const uint8_t* b, int64_t nb, float* y);

@@ -33,6 +33,7 @@
 // token, 0.95x at 4; 2048 x 5632 1.00x at 1, 1.11x at 4, 1.06x at 16, 1.02x at 63. Q5_K against Q8_0: 0.83x and
 // 0.79x at 1 token, 0.92x at 4, 1.06x at 16, 1.17x at 63.
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -429,6 +430,56 @@ inline void iq4_walk(const uint8_t* const* rows, int64_t nb, const uint8_t* cons
   }
 }
 
+// --- Q5_0 and Q5_1 ---------------------------------------------------------------------------------------------------
+// A Q5_0 / Q5_1 block is a Q4_0 / Q4_1 block with a fifth bit per value (bit v of its 32-bit qh for value v): q in
+// 0..31, value d (q - 16) or d q + m. Both go through Q4_1's lane block, Q5_0 with m = -16 d (exact in f32).
+
+// bytes 0..3 of each lane from bits 4k..4k + 3 of its qh: 0x10 where the bit is set (register k's fifth bits)
+inline __m256i rep_byte0(__m256i*) {
+  return _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+}
+inline __m256i set_bits(__m256i z, __m256i bits, __m256i m10) {
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(z, bits), bits), m10);
+}
+#if defined(PINFER_AVX512) && defined(__AVX512VNNI__)
+inline __m512i rep_byte0(__m512i*) {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+}
+inline __m512i set_bits(__m512i z, __m512i bits, __m512i m10) {
+  return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(z, bits), m10);
+}
+#endif
+
+template <class V, int TY, class F>
+inline void q5_walk(const uint8_t* const* rows, int64_t nb, const uint8_t* const* nxt, F&& f) {
+  typedef typename V::vi vi;
+  typedef typename V::vf vf;
+  constexpr int64_t BB = TY == Q5_1 ? 24 : 22, QH = TY == Q5_1 ? 4 : 2;  // block bytes, where qh starts
+  const Leads<V> leads(rows);
+  const vi m0F = V::set1_8(0x0F), m10 = V::set1_8(0x10), rep = rep_byte0((vi*)nullptr),
+           bits = V::set1_32(0x08040201);
+  static const float minus16 = -16.f;
+  vi w[8], t[4];
+  vf d, m;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t bo = b * BB;
+    if (b % 2 == 0)  // once per cache line of each row
+      for (int r = 0; r < V::N; ++r) {
+        prefetch(rows[r] + bo + PF_AHEAD);
+        if (nxt) prefetch_l2(nxt[r] + bo);
+      }
+    V::halves(leads.at(rows, bo), d, m, TY == Q5_1);
+    if constexpr (TY == Q5_0) m = V::mul(d, V::bcast(&minus16));
+    const vi qh = leads.at(rows, bo + QH);
+    transposed16<V>(rows, bo + QH + 4, t);
+    for (int k = 0; k < 8; ++k) {
+      const vi nib = V::and_(k < 4 ? t[k] : V::srli16(t[k - 4], 4), m0F);
+      w[k] = or_(nib, set_bits(shuffle8(srli32(qh, 4 * k), rep), bits, m10));
+    }
+    f(w, d, m, b);
+  }
+}
+
 // n rows in groups of the widest tile, the last ones 8 at a time (the same bits per row in either tile), each group
 // prefetching the rows after it (from rows, then the caller's next) into L2: group(G, rows, count, out, nx)
 template <class Group>
@@ -527,6 +578,29 @@ void iq4_row(int ty, const uint8_t* row, int64_t nb, const Acts& a, float* out, 
     out[t * os] = facc;
   }
 }
+
+// Q5_0 and Q5_1: Q4_1's lane chain per block (quant.h lane_block), one row at a time
+void q5_row(int ty, const uint8_t* row, int64_t nb, const Acts& a, float* out, int64_t os) {
+  const int64_t BB = ty == Q5_1 ? 24 : 22, QH = ty == Q5_1 ? 4 : 2;
+  for (int64_t t = 0; t < a.T; ++t) {
+    const Q8& x = a.q[t];
+    float facc = 0.f, macc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * BB;
+      const float d = f16_scale(blk), m = ty == Q5_1 ? f16_scale(blk + 2) : d * -16.f;
+      uint32_t qh;
+      std::memcpy(&qh, blk + QH, 4);
+      int32_t sum = 0;
+      for (int l = 0; l < 32; ++l) {
+        const int32_t q = ((blk[QH + 4 + l % 16] >> (4 * (l / 16))) & 15) | ((qh >> l) & 1) << 4;
+        sum += q * (int32_t)x.qs[b * QK + l];
+      }
+      facc = std::fma((float)sum, d * x.d[b], facc);
+      macc = std::fma(m, x.s[b], macc);
+    }
+    out[t * os] = facc + macc;
+  }
+}
 #endif
 
 }  // namespace
@@ -603,6 +677,39 @@ void iq4_to_f32(int type, const uint8_t* row, int64_t n, float* out) {
     for (int l = 0; l < 16; ++l) {
       out[b * QK + l] = dw * (float)IQ4_LEVELS[qs[l] & 15];
       out[b * QK + 16 + l] = dw * (float)IQ4_LEVELS[qs[l] >> 4];
+    }
+  }
+}
+
+void q5_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, float* out, int64_t os,
+                 const uint8_t* const* next, int64_t n_next) {
+  const int64_t nb = a.n / QK;
+#if defined(PINFER_AVX2)
+  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
+                                            const uint8_t* const* nx) {
+    typedef decltype(v) V;
+    if (type == Q5_1)
+      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) { q5_walk<V, Q5_1>(rp, nb, nxt, f); });
+    else
+      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) { q5_walk<V, Q5_0>(rp, nb, nxt, f); });
+  });
+#else
+  (void)next, (void)n_next;
+  for (int64_t r = 0; r < n; ++r) q5_row(type, rows[r], nb, a, out + r, os);
+#endif
+}
+
+void q5_to_f32(int type, const uint8_t* row, int64_t n, float* out) {
+  const int64_t BB = type == Q5_1 ? 24 : 22, QH = type == Q5_1 ? 4 : 2;
+  for (int64_t b = 0; b < n / QK; ++b) {
+    const uint8_t* blk = row + b * BB;
+    const float d = f16_scale(blk);
+    uint32_t qh;
+    std::memcpy(&qh, blk + QH, 4);
+    for (int l = 0; l < 32; ++l) {
+      const int q = ((blk[QH + 4 + l % 16] >> (4 * (l / 16))) & 15) | ((qh >> l) & 1) << 4;
+      // as gguf-py: Q5_0 d (q - 16), Q5_1 d q + m (the products exact in f32: an f16 times 5 bits)
+      out[b * QK + l] = type == Q5_1 ? d * (float)q + f16_scale(blk + 2) : d * (float)(q - 16);
     }
   }
 }

@@ -26,34 +26,39 @@
 
 namespace pinfer {
 
-enum WType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+enum WType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
                    IQ4_XS = 23, BF16 = 30 };  // ggml / GGUF type ids
 constexpr int QK = 32;  // values per block
 
 constexpr bool type_known(int t) {
   return t == F32 || t == F16 || t == Q4_0 || t == Q4_1 || t == Q8_0 || t == BF16 || t == Q4_K || t == Q5_K ||
-         t == Q6_K || t == IQ4_NL || t == IQ4_XS;
+         t == Q6_K || t == IQ4_NL || t == IQ4_XS || t == Q5_0 || t == Q5_1;
 }
 // the 32-value block types: the tiles and axpy of this file
 constexpr bool is_block(int t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }
-// The K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks of 144, 176 and 210 bytes) and IQ4_NL / IQ4_XS (32 values
-// in 18 bytes, 256 in 136; kquant.cpp) are read only by dot products (dot_rows) and dequantisation: matrices of rows,
-// never neuron rows for axpy (ffn_down_t) or a KV cache
-constexpr bool dot_only(int t) { return t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_NL || t == IQ4_XS; }
+// The K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks of 144, 176 and 210 bytes), IQ4_NL / IQ4_XS (32 values
+// in 18 bytes, 256 in 136) and Q5_0 / Q5_1 (32 values in 22 and 24 bytes; kquant.cpp) are read only by dot products
+// (dot_rows) and dequantisation: matrices of rows, never neuron rows for axpy (ffn_down_t) or a KV cache
+constexpr bool dot_only(int t) {
+  return t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_NL || t == IQ4_XS || t == Q5_0 || t == Q5_1;
+}
 // the types whose dot products take q8 activations
 constexpr bool needs_q8(int t) { return is_block(t) || dot_only(t); }
 // values per encoding unit, and its bytes
-constexpr int64_t unit_values(int t) { return is_block(t) || t == IQ4_NL ? QK : dot_only(t) ? 256 : 1; }
+constexpr int64_t unit_values(int t) {
+  return is_block(t) || t == IQ4_NL || t == Q5_0 || t == Q5_1 ? QK : dot_only(t) ? 256 : 1;
+}
 constexpr int64_t unit_bytes(int t) {
   return t == F32 ? 4 : t == F16 || t == BF16 ? 2 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34
-         : t == Q4_K ? 144 : t == Q5_K ? 176 : t == Q6_K ? 210 : t == IQ4_NL ? 18 : t == IQ4_XS ? 136 : 0;
+         : t == Q4_K ? 144 : t == Q5_K ? 176 : t == Q6_K ? 210 : t == IQ4_NL ? 18 : t == IQ4_XS ? 136
+         : t == Q5_0 ? 22 : t == Q5_1 ? 24 : 0;
 }
 constexpr int64_t row_bytes(int t, int64_t cols) { return cols / unit_values(t) * unit_bytes(t); }
 inline const char* type_name(int t) {
   switch (t) {
     case F32: return "F32"; case F16: return "F16"; case BF16: return "BF16";
     case Q4_0: return "Q4_0"; case Q4_1: return "Q4_1"; case Q8_0: return "Q8_0"; case Q4_K: return "Q4_K"; case Q5_K: return "Q5_K";
-    case IQ4_NL: return "IQ4_NL"; case IQ4_XS: return "IQ4_XS";
+    case IQ4_NL: return "IQ4_NL"; case IQ4_XS: return "IQ4_XS"; case Q5_0: return "Q5_0"; case Q5_1: return "Q5_1";
     case Q6_K: return "Q6_K";
     default: return "unknown";
   }

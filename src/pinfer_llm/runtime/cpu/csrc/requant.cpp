@@ -1,5 +1,6 @@
-// Types the kernels do not read (Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K of llama.cpp's Q4_K_M / Q5_K_M /
-// Q6_K files), re-encoded once, at load, into types they do (runtime/weights.py runnable):
+// The types only dot products read (Q5_0, Q5_1, the K-quants Q4_K, Q5_K, Q6_K of llama.cpp's Q4_K_M / Q5_K_M / Q6_K
+// files, IQ4_NL, IQ4_XS; kquant.cpp), re-encoded once, at load, where axpy or a GPU reads them (runtime/weights.py
+// rows_runnable):
 //   Q4_K as Q4_1 (requant_q4k_q4_1: each sub-block's scale and min rounded to f16, nothing else);
 //   Q5_0 as Q8_0 exactly (q5_0_as_q8_0: the same d, int8 q - 16);
 //   the others as ggml's Q8_0: decoded to floats as ggml's reference dequantisers do (the same operations in the
@@ -23,7 +24,6 @@ namespace pinfer {
 
 namespace {
 
-constexpr int Q5_0 = 6, Q5_1 = 7;  // Q4_K, Q5_K, Q6_K: quant.h
 
 void q5_1_row(const uint8_t* b, int64_t nb, float* y) {
   for (int64_t i = 0; i < nb; ++i, b += 24, y += 32) {
