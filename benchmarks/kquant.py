@@ -9,9 +9,9 @@ default until 2026-12-07).
     python benchmarks/kquant.py --model m-q4_k_m.gguf --original m-f16.gguf  # + logits against the unquantised model
     python benchmarks/kquant.py --kernels                                    # the kernels alone, no model file
 
---kernels times torch.ops.pinfer.qmatmul on random K-quant matrices against their re-encodings (Q4_K / Q4_1,
-Q5_K and Q6_K / Q8_0) at 1B shapes and several token counts, enough copies of each to read from beyond the caches, in
-alternated rounds (median of per-round time ratios; below 1, in place is faster).
+--kernels times torch.ops.pinfer.qmatmul on random matrices of the types only dot products read against their
+re-encodings (Q4_K / Q4_1, the others / Q8_0) at 1B shapes and several token counts, enough copies of each to read
+from beyond the caches, in alternated rounds (median of per-round time ratios; below 1, in place is faster).
 
 The variants load in one process (the default is runtime.weights.runnable's choice; each other forces one type's
 re-encoding, and only the types the file holds are tried). Reported: the load notice (re-encoded bytes and seconds)
@@ -48,7 +48,9 @@ def kernels(threads: int, rounds: int) -> None:
     cpu_kernels.set_threads(threads)
     cases = [(T.Q4_K, as_q4_1, 11264, 2048, (1, 2, 4)), (T.Q4_K, as_q4_1, 2048, 5632, (1, 4, 16, 63)),
              (T.Q5_K, as_q8_0, 11264, 2048, (1, 2, 4)), (T.Q5_K, as_q8_0, 2048, 5632, (1, 4, 16, 63)),
-             (T.Q6_K, as_q8_0, 32000, 2048, (1, 2, 4)), (T.Q6_K, as_q8_0, 2048, 5632, (1, 4, 16, 63))]
+             (T.Q6_K, as_q8_0, 32000, 2048, (1, 2, 4)), (T.Q6_K, as_q8_0, 2048, 5632, (1, 4, 16, 63)),
+             (T.Q5_0, as_q8_0, 11264, 2048, (1, 4, 63)), (T.Q5_1, as_q8_0, 11264, 2048, (1, 4, 63)),
+             (T.IQ4_NL, as_q8_0, 11264, 2048, (1, 4, 63)), (T.IQ4_XS, as_q8_0, 11264, 2048, (1, 4, 63))]
     out = []
     for t, reencode, rows, cols, ts in cases:
         nbytes = weights(1, cols, t, 0).numel() * rows

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-BLOCK = {2: 18, 3: 20, 8: 34}  # bytes per 32-value block: Q4_0, Q4_1, Q8_0
+BLOCK = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 20: 18}  # bytes per 32-value block: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
 
 
-# bytes per 256-value super-block of Q4_K, Q5_K and Q6_K, and the byte range of its f16 scales
-KQUANT = {12: (144, 0, 4), 13: (176, 0, 4), 14: (210, 208, 210)}
+# bytes per 256-value super-block of Q4_K, Q5_K, Q6_K and IQ4_XS, and the byte range of its f16 scales
+KQUANT = {12: (144, 0, 4), 13: (176, 0, 4), 14: (210, 208, 210), 23: (136, 0, 2)}
 
 
 def weights(rows: int, cols: int, t: int, seed: int) -> torch.Tensor:
@@ -32,6 +32,6 @@ def weights(rows: int, cols: int, t: int, seed: int) -> torch.Tensor:
     nb, bb = cols // 32, BLOCK[t]
     raw = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
     raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if t == 3:
+    if t in (3, 7):
         raw[:, :, 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
     return torch.from_numpy(raw.reshape(rows, nb * bb))

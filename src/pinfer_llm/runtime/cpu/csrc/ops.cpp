@@ -418,7 +418,7 @@ at::Tensor requant_q8_0_op(const at::Tensor& rows, int64_t type, int64_t cols) {
   TORCH_CHECK(requant_type_known((int)type), "requant_q8_0: unsupported type ", type,
               " (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
   const int64_t rb = requant_row_bytes((int)type, cols);
-  TORCH_CHECK(cols > 0 && cols % (type == 6 || type == 7 ? 32 : 256) == 0,
+  TORCH_CHECK(cols > 0 && cols % unit_values((int)type) == 0,
               "requant_q8_0: cols must be a positive multiple of the type's block");
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.size(1) == rb &&
                   rows.stride(1) == 1,
