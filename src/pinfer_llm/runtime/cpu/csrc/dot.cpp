@@ -219,7 +219,8 @@ void dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a, fl
               const uint8_t* const* next, int64_t n_next) {
   if (n > 0 && a.T > 0 && (type == Q4_K || type == Q5_K))
     return k45_dot_rows(type, rows, n, a, out, ostride, next, n_next);
-  if (n > 0 && a.T > 0 && (type == Q5_0 || type == Q5_1)) return q5_dot_rows(type, rows, n, a, out, ostride, next, n_next);
+  if (n > 0 && a.T > 0 && (type == Q5_0 || type == Q5_1))
+    return q5_dot_rows(type, rows, n, a, out, ostride, next, n_next);
   if (n > 0 && a.T > 0 && (type == IQ4_NL || type == IQ4_XS))
     return iq4_dot_rows(type, rows, n, a, out, ostride, next, n_next);
   if (n > 0 && a.T > 0 && type == Q6_K) return q6k_dot_rows(rows, n, a, out, ostride, next, n_next);

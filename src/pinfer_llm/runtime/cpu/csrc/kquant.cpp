@@ -1,8 +1,9 @@
-// The K-quants of llama.cpp's Q4_K_M / Q5_K_M files, and IQ4_NL / IQ4_XS, read in place: dot products with q8
-// activations (dot_rows' Q4_K, Q5_K, Q6_K and IQ4 paths; the IQ4 types below). Q4_K or Q5_K holds most of such a file's matrices; Q6_K its attn_v and half its ffn_down, and
-// the output head of llama.cpp's Q4_0 files. Re-encoded (Q4_K as Q4_1, Q5_K and Q6_K as Q8_0) they cost 20 bytes per
-// 32 values against 18, 34 against 22 and 26.25, as a copy in memory (a 1B Q4_K_M file: 0.77 GB of copies besides
-// the mapped file).
+// The types only dot products read, in place: the K-quants of llama.cpp's Q4_K_M / Q5_K_M files, Q5_0 / Q5_1 (which
+// those files keep for rows whose width is not a multiple of 256) and IQ4_NL / IQ4_XS: dot products with q8
+// activations (dot_rows' paths for these types; Q5_0 / Q5_1 and IQ4 further below). Q4_K or Q5_K holds most of a
+// K-quant file's matrices; Q6_K its attn_v and half its ffn_down, and the output head of llama.cpp's Q4_0 files.
+// Re-encoded (Q4_K as Q4_1, the others as Q8_0) they cost 20 bytes per 32 values against 18, 34 against 17 to 26.25,
+// as a copy in memory (a 1B Q4_K_M file: 0.77 GB of copies besides the mapped file).
 //
 //   Q4_K  144 bytes per 256 values {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: sub-block j (32 values) has a
 //         6-bit scale sc and min m (ggml's get_scale_min_k4); value l of sub-block 2p + h: d sc q - dmin m with
@@ -30,8 +31,9 @@
 // unpacking and the per-sub-block scales cost more per token than Q8_0's one scale), at 512 (the GEMM path)
 // 1.00-1.02x; a first version, one row at a time with its 8 lanes summed at the end, took 1.095x at 1 token and
 // 1.81x at 4. Q4_K against its Q4_1 re-encoding (benchmarks/kquant.py --kernels): 11264 x 2048 0.91x the time at 1
-// token, 0.95x at 4; 2048 x 5632 1.00x at 1, 1.11x at 4, 1.06x at 16, 1.02x at 63. Q5_K against Q8_0: 0.83x and
-// 0.79x at 1 token, 0.92x at 4, 1.06x at 16, 1.17x at 63.
+// token, 0.95x at 4; 2048 x 5632 1.00x at 1, 1.11x at 4, 1.06x at 16, 1.02x at 63. Against Q8_0, 11264 x 2048 at
+// 1 / 4 / 63 tokens: Q5_K 0.83x / 0.92x / -, Q5_0 0.78x / 0.87x / 1.22x, Q5_1 0.83x / 0.83x / 1.25x, IQ4_NL 0.62x /
+// 0.68x / 0.87x, IQ4_XS 0.57x / 0.65x / 0.89x.
 #include <algorithm>
 #include <cstring>
 #include <cmath>
@@ -95,18 +97,6 @@ inline __m512i or_(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
 inline __m512i sub32(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
 inline __m512i mul32(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
 #endif
-
-// 16 bytes at bo of each of the V::N rows, transposed by dwords into t[0..3] (quant.h lane_weights' transposition)
-template <class V>
-inline void transposed16(const uint8_t* const* rows, int64_t bo, typename V::vi* t) {
-  typedef typename V::vi vi;
-  vi q[4];
-  for (int i = 0; i < 4; ++i) q[i] = V::load_rows(rows, i, bo);
-  const vi a0 = V::unpacklo32(q[0], q[1]), a1 = V::unpackhi32(q[0], q[1]);
-  const vi a2 = V::unpacklo32(q[2], q[3]), a3 = V::unpackhi32(q[2], q[3]);
-  t[0] = V::unpacklo64(a0, a2), t[1] = V::unpackhi64(a0, a2);
-  t[2] = V::unpacklo64(a1, a3), t[3] = V::unpackhi64(a1, a3);
-}
 
 // One chunk (activation block b) of V::N rows: their 6-bit q (register k, lane j: row j's values 4k..4k+3), the two
 // sub-blocks' scales and d, against C tokens, into each token's accumulator. The streaming tile and the packed one
@@ -311,9 +301,9 @@ inline void k45_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* con
   }
 }
 
-// N rows' sub-blocks as lane registers, walk(rp, nxt, f) handing f(w, dw, mw, b) each 32-value block b in order, through
-// the lane block of LT (quant.h lane_block: Q4_1's unsigned quants with a min, or Q8_0's signed ones) against every
-// token, C at a time: streaming (the rows unpacked in step with the tile) for up to 4 tokens, else the blocks
+// N rows' sub-blocks as lane registers (walk(rp, nxt, f) hands f(w, dw, mw, b) each 32-value block b in order)
+// through the lane block of LT (quant.h lane_block: Q4_1's unsigned quants with a min, or Q8_0's signed ones) against
+// every token, C at a time: streaming (the rows unpacked in step with the tile) for up to 4 tokens, else the blocks
 // unpacked once (LanePack) and read from cache by each tile of 4 (see Q6Chunk). The same operations in the same order
 // either way, so the same bits.
 template <class V, int LT, class Walk>
@@ -689,9 +679,13 @@ void q5_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a,
                                             const uint8_t* const* nx) {
     typedef decltype(v) V;
     if (type == Q5_1)
-      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) { q5_walk<V, Q5_1>(rp, nb, nxt, f); });
+      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
+        q5_walk<V, Q5_1>(rp, nb, nxt, f);
+      });
     else
-      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) { q5_walk<V, Q5_0>(rp, nb, nxt, f); });
+      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
+        q5_walk<V, Q5_0>(rp, nb, nxt, f);
+      });
   });
 #else
   (void)next, (void)n_next;

@@ -106,7 +106,8 @@ void check_f32(const at::Tensor& t, const char* name) {
 // cols: expected values per row (-1: any).
 Mat as_mat(const at::Tensor& w, int64_t type, int64_t cols, const char* name) {
   TORCH_CHECK(type_known((int)type), name, ": unsupported weight type code ", type,
-              " (F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23, BF16 30)");
+              " (F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20,"
+              " IQ4_XS 23, BF16 30)");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, name, ": a 2-d CPU tensor [rows, row_bytes]");
   const auto st = w.scalar_type();
   const bool dtype_ok = st == at::kByte || (type == F32 && st == at::kFloat) || (type == F16 && st == at::kHalf) ||

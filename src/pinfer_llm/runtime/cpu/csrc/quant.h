@@ -26,8 +26,10 @@
 
 namespace pinfer {
 
-enum WType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
-                   IQ4_XS = 23, BF16 = 30 };  // ggml / GGUF type ids
+enum WType : int {  // ggml / GGUF type ids
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+  IQ4_XS = 23, BF16 = 30
+};
 constexpr int QK = 32;  // values per block
 
 constexpr bool type_known(int t) {
@@ -57,9 +59,9 @@ constexpr int64_t row_bytes(int t, int64_t cols) { return cols / unit_values(t) 
 inline const char* type_name(int t) {
   switch (t) {
     case F32: return "F32"; case F16: return "F16"; case BF16: return "BF16";
-    case Q4_0: return "Q4_0"; case Q4_1: return "Q4_1"; case Q8_0: return "Q8_0"; case Q4_K: return "Q4_K"; case Q5_K: return "Q5_K";
-    case IQ4_NL: return "IQ4_NL"; case IQ4_XS: return "IQ4_XS"; case Q5_0: return "Q5_0"; case Q5_1: return "Q5_1";
-    case Q6_K: return "Q6_K";
+    case Q4_0: return "Q4_0"; case Q4_1: return "Q4_1"; case Q8_0: return "Q8_0";
+    case Q5_0: return "Q5_0"; case Q5_1: return "Q5_1"; case Q4_K: return "Q4_K"; case Q5_K: return "Q5_K";
+    case Q6_K: return "Q6_K"; case IQ4_NL: return "IQ4_NL"; case IQ4_XS: return "IQ4_XS";
     default: return "unknown";
   }
 }
@@ -399,17 +401,23 @@ constexpr int QLANES_MIN = 8;  // the narrow tile, for a call's last rows
 // unsigned operand. Within 128-bit lanes the 4 rows' 16 bytes are transposed by dwords (4 x 4: 8 shuffles). Q4: the
 // nibbles 0..15 (the low nibbles of bytes 4k..4k+3 are values 4k.., their high nibbles 16 + 4k..). Q8_0: with VNNI,
 // w + 128 (w ^ 0x80; the sum's start value -128 sum(x) restores w); without VNNI the raw int8 (V::dot's sign trick).
+// 16 bytes at bo of each of the V::N rows, transposed by dwords into t[0..3] (register k, lane j: row j's bytes
+// 4k..4k+3; also the K-quants' tiles, kquant.cpp)
+template <class V>
+inline void transposed16(const uint8_t* const* rows, int64_t bo, typename V::vi* t) {
+  typedef typename V::vi vi;
+  vi q[4];
+  for (int i = 0; i < 4; ++i) q[i] = V::load_rows(rows, i, bo);
+  const vi a0 = V::unpacklo32(q[0], q[1]), a1 = V::unpackhi32(q[0], q[1]);
+  const vi a2 = V::unpacklo32(q[2], q[3]), a3 = V::unpackhi32(q[2], q[3]);
+  t[0] = V::unpacklo64(a0, a2), t[1] = V::unpackhi64(a0, a2);
+  t[2] = V::unpacklo64(a1, a3), t[3] = V::unpackhi64(a1, a3);
+}
+
 template <class V, int TY>
 inline void lane_weights(const uint8_t* const* blk, int64_t bo, typename V::vi* w) {
   typedef typename V::vi vi;
-  auto transposed = [&](int64_t off, vi* t) {
-    vi q[4];
-    for (int i = 0; i < 4; ++i) q[i] = V::load_rows(blk, i, bo + off);
-    const vi a0 = V::unpacklo32(q[0], q[1]), a1 = V::unpackhi32(q[0], q[1]);
-    const vi a2 = V::unpacklo32(q[2], q[3]), a3 = V::unpackhi32(q[2], q[3]);
-    t[0] = V::unpacklo64(a0, a2), t[1] = V::unpackhi64(a0, a2);
-    t[2] = V::unpacklo64(a1, a3), t[3] = V::unpackhi64(a1, a3);
-  };
+  auto transposed = [&](int64_t off, vi* t) { transposed16<V>(blk, bo + off, t); };
   vi t[4];
   if constexpr (TY == Q8_0) {
     for (int h = 0; h < 2; ++h) {  // values 0..15, then 16..31
