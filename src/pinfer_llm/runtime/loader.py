@@ -4,8 +4,8 @@ No weight is copied: every matrix is a QWeight over the file's read-only memory 
 is parsing the header plus these views, and a model needs about its file size in memory. Two exceptions, both
 reported in Load.notices: the types only dot products read (Q5_0, Q5_1, the K-quants, IQ4) are re-encoded once as
 Q4_1 or Q8_0 where they would be neuron rows, which axpy reads (without the kernels, everything runs on float32 copies
-made on first use), and sparse mode over a file without PowerInfer's neuron-major ffn_down_t
-transposes ffn_down once, in memory, in the file's own encoding.
+made on first use), and sparse mode over a file without PowerInfer's neuron-major ffn_down_t transposes ffn_down once,
+in memory, in the file's own encoding.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Load:
     float_copies: dict[str, int] = field(default_factory=dict)  # type name -> bytes of float32 copies
     requantised: dict[tuple[str, str], int] = field(default_factory=dict)  # (type, its re-encoding) -> bytes
     requantised_s: float = 0.0
-    requantised_rows: set[str] = field(default_factory=set)  # kernel types re-encoded only as neuron rows (K-quants)
+    requantised_rows: set[str] = field(default_factory=set)  # types re-encoded only as neuron rows (dot-only types)
     transposed_bytes: int = 0
     transposed_s: float = 0.0
 
@@ -284,7 +284,7 @@ def _report(tr: Transformer, load: Load) -> None:
         load.notices.append(f"{why}: those weights run on float32 copies made on first use ({gb:.2f} GB more "
                             f"memory; requantise to Q4_0, Q8_0 or F16 to avoid it)")
     if load.requantised:
-        # two reasons: a type no kernel reads, or a K-quant as neuron rows (ffn_down_t), which only dot products read
+        # two reasons: a type no kernel reads, or a dot-only type as neuron rows (ffn_down_t), which axpy cannot read
         why = []
         for rows in (False, True):
             types = sorted({t for t, _ in load.requantised if (t in load.requantised_rows) == rows})

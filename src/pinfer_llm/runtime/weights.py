@@ -19,10 +19,10 @@ from gguf.constants import GGMLQuantizationType as T
 from pinfer_llm.formats.errors import PinferError, quote
 from pinfer_llm.formats.header import GGUFFile, tensor_nbytes
 
-# Types pinfer's C++ kernels read in place; every other readable type is re-encoded at load (runnable) or, without
-# the kernels, dequantised (gguf.quants) to a float copy. Q5_0, Q5_1, the K-quants and IQ4_NL / IQ4_XS only as
-# matrices (dot products, runtime/cpu/csrc/kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's
-# copies take ROW_TYPES (rows_runnable: Q4_K as Q4_1, the others as Q8_0).
+# Types pinfer's C++ kernels read in place: every type it reads (without the kernels, each is dequantised by
+# gguf.quants to a float copy). Q5_0, Q5_1, the K-quants and IQ4_NL / IQ4_XS only as matrices (dot products,
+# runtime/cpu/csrc/kquant.cpp); neuron rows that are added up (ffn_down_t, axpy) and the GPU's copies take ROW_TYPES
+# (rows_runnable: Q4_K as Q4_1, the others as Q8_0).
 KERNEL_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
                           T.IQ4_NL, T.IQ4_XS})
 ROW_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0})

@@ -245,7 +245,7 @@ def _host(a) -> np.ndarray:
 
 
 def _upload(dev, w: QWeight, rows=None):  # rows: an index array gathering some rows
-    w = rows_runnable(w)  # the device's kernels read the row types: a Q6_K matrix goes as Q8_0
+    w = rows_runnable(w)  # the device's kernels read the row types: a K-quant, IQ4 or Q5_* matrix goes as Q4_1 / Q8_0
     return dev.upload_matrix(w.data.numpy(), int(w.qtype), w.cols, rows)
 
 
