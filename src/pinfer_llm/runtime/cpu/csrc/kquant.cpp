@@ -80,6 +80,21 @@ void half_sums(const Q8& x, int64_t nb, int32_t* off) {
   }
 }
 
+// a super-block of bb bytes at so: each row's two super-blocks on into L1, the caller's next rows' at so into L2
+template <int N>
+inline void prefetch_superblock(const uint8_t* const* rows, int64_t so, int64_t bb, const uint8_t* const* nxt) {
+  for (int r = 0; r < N; ++r)
+    for (int64_t a = 0; a < bb; a += 64) {
+      prefetch(rows[r] + so + 2 * bb + a);
+      if (nxt) prefetch_l2(nxt[r] + so + a);
+    }
+}
+
+// value l (0..31) of a Q5_0 / Q5_1 block whose qh starts at byte QH (quants after it): nibble | fifth bit << 4
+inline int32_t q5_quant(const uint8_t* blk, int64_t QH, uint32_t qh, int l) {
+  return ((blk[QH + 4 + l % 16] >> (4 * (l / 16))) & 15) | ((qh >> l) & 1) << 4;
+}
+
 #if defined(PINFER_AVX2)
 inline __m256i slli32(__m256i a, int k) { return _mm256_slli_epi32(a, k); }
 inline __m256i srai32(__m256i a, int k) { return _mm256_srai_epi32(a, k); }
@@ -126,11 +141,7 @@ inline void q6k_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* con
   const vi m0F = V::set1_8(0x0F), m30 = V::set1_8(0x30);
   for (int64_t s = 0; s < nsb; ++s) {
     const int64_t so = s * SB_BYTES;
-    for (int r = 0; r < V::N; ++r)
-      for (int64_t a = 0; a < SB_BYTES; a += 64) {
-        prefetch(rows[r] + so + 2 * SB_BYTES + a);
-        if (nxt) prefetch_l2(nxt[r] + so + a);
-      }
+    prefetch_superblock<V::N>(rows, so, SB_BYTES, nxt);
     vf dw, unused;
     V::halves(leads.at(rows, so + 206), unused, dw, true);  // the dword at 206: sc[14], sc[15] and d, within the block
     vi sc[4];  // lane j: row j's scales 4k .. 4k + 3 (int8) in register k
@@ -258,11 +269,7 @@ inline void k45_walk(const uint8_t* const* rows, int64_t nsb, const uint8_t* con
   static const float minus1 = -1.f;
   for (int64_t s = 0; s < nsb; ++s) {
     const int64_t so = s * BB;
-    for (int r = 0; r < V::N; ++r)
-      for (int64_t a = 0; a < BB; a += 64) {
-        prefetch(rows[r] + so + 2 * BB + a);
-        if (nxt) prefetch_l2(nxt[r] + so + a);
-      }
+    prefetch_superblock<V::N>(rows, so, BB, nxt);
     vf d, dmin;
     V::halves(leads.at(rows, so), d, dmin, true);  // the super-block's leading dword: d | dmin << 16
     const vf ndmin = V::mul(dmin, V::bcast(&minus1));
@@ -389,11 +396,7 @@ inline void iq4_walk(const uint8_t* const* rows, int64_t nb, const uint8_t* cons
     const Leads<V> leads(rows);
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t bo = b * 18;
-      if (b % 3 == 0)  // once per cache line of each row (quant.h qtile_lanes' PF_EVERY)
-        for (int r = 0; r < V::N; ++r) {
-          prefetch(rows[r] + bo + PF_AHEAD);
-          if (nxt) prefetch_l2(nxt[r] + bo);
-        }
+      if (b % 3 == 0) prefetch_rows<V::N>(rows, bo, nxt);  // once per cache line of each row (64 / 18)
       V::halves(leads.at(rows, bo), d, unused, false);
       iq4_levels<V>(rows, bo + 2, tbl, w);
       f(w, d, V::zero_f(), b);
@@ -401,11 +404,7 @@ inline void iq4_walk(const uint8_t* const* rows, int64_t nb, const uint8_t* cons
   } else {
     for (int64_t s = 0; s < nb / 8; ++s) {
       const int64_t so = s * 136;
-      for (int r = 0; r < V::N; ++r)
-        for (int64_t a = 0; a < 136; a += 64) {
-          prefetch(rows[r] + so + 2 * 136 + a);
-          if (nxt) prefetch_l2(nxt[r] + so + a);
-        }
+      prefetch_superblock<V::N>(rows, so, 136, nxt);
       vi h[4];  // lane j: row j's d | scales_h << 16 in h[0], scales_l[0..3] in h[1]
       transposed16<V>(rows, so, h);
       V::halves(h[0], d, unused, false);
@@ -453,11 +452,7 @@ inline void q5_walk(const uint8_t* const* rows, int64_t nb, const uint8_t* const
   vf d, m;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t bo = b * BB;
-    if (b % 2 == 0)  // once per cache line of each row
-      for (int r = 0; r < V::N; ++r) {
-        prefetch(rows[r] + bo + PF_AHEAD);
-        if (nxt) prefetch_l2(nxt[r] + bo);
-      }
+    if (b % 2 == 0) prefetch_rows<V::N>(rows, bo, nxt);  // once per cache line of each row (64 / 22 or 24)
     V::halves(leads.at(rows, bo), d, m, TY == Q5_1);
     if constexpr (TY == Q5_0) m = V::mul(d, V::bcast(&minus16));
     const vi qh = leads.at(rows, bo + QH);
@@ -496,6 +491,17 @@ inline void in_groups(const uint8_t* const* rows, int64_t n, float* out, const u
     after(i, QLANES_MIN, nx);
     group(L8(), rows + i, std::min<int64_t>(QLANES_MIN, n - i), out + i, nx);
   }
+}
+
+// dot_rows for a type walked into lane registers: walk(V(), rp, nxt, f) walks one group's nb blocks through LT's lane
+// block (lane_group), the rows in groups of the widest tile (in_groups)
+template <int LT, class Walk>
+void walked_dot_rows(const uint8_t* const* rows, int64_t n, int64_t nb, const Acts& a, float* out, int64_t os,
+                     const uint8_t* const* next, int64_t n_next, Walk&& walk) {
+  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
+                                            const uint8_t* const* nx) {
+    lane_group<decltype(v), LT>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) { walk(v, rp, nxt, f); });
+  });
 }
 #else
 // the portable build: the lane tiles' chain, one row at a time
@@ -582,8 +588,7 @@ void q5_row(int ty, const uint8_t* row, int64_t nb, const Acts& a, float* out, i
       std::memcpy(&qh, blk + QH, 4);
       int32_t sum = 0;
       for (int l = 0; l < 32; ++l) {
-        const int32_t q = ((blk[QH + 4 + l % 16] >> (4 * (l / 16))) & 15) | ((qh >> l) & 1) << 4;
-        sum += q * (int32_t)x.qs[b * QK + l];
+        sum += q5_quant(blk, QH, qh, l) * (int32_t)x.qs[b * QK + l];
       }
       facc = std::fma((float)sum, d * x.d[b], facc);
       macc = std::fma(m, x.s[b], macc);
@@ -599,18 +604,14 @@ void k45_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a
                   const uint8_t* const* next, int64_t n_next) {
   const int64_t nsb = a.n / SB;
 #if defined(PINFER_AVX2)
-  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
-                                            const uint8_t* const* nx) {
-    typedef decltype(v) V;
-    if (type == Q5_K)
-      lane_group<V, Q4_1>(g, m, nsb * 8, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
-        k45_walk<V, Q5_K>(rp, nsb, nxt, f);
-      });
-    else
-      lane_group<V, Q4_1>(g, m, nsb * 8, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
-        k45_walk<V, Q4_K>(rp, nsb, nxt, f);
-      });
-  });
+  if (type == Q5_K)
+    walked_dot_rows<Q4_1>(rows, n, nsb * 8, a, out, os, next, n_next, [&](auto v, auto rp, auto nxt, auto&& f) {
+      k45_walk<decltype(v), Q5_K>(rp, nsb, nxt, f);
+    });
+  else
+    walked_dot_rows<Q4_1>(rows, n, nsb * 8, a, out, os, next, n_next, [&](auto v, auto rp, auto nxt, auto&& f) {
+      k45_walk<decltype(v), Q4_K>(rp, nsb, nxt, f);
+    });
 #else
   (void)next, (void)n_next;
   for (int64_t r = 0; r < n; ++r) k45_row(type, rows[r], nsb, a, out + r, os);
@@ -622,7 +623,8 @@ void q6k_dot_rows(const uint8_t* const* rows, int64_t n, const Acts& a, float* o
   const int64_t nb = a.n / QK, nsb = a.n / SB;
   thread_local std::vector<int32_t> off;
   off.resize(a.T * nb * 2);
-  std::vector<const int32_t*> offs(a.T);
+  thread_local std::vector<const int32_t*> offs;  // reused: no allocation per call (the sparse FFN calls per group)
+  offs.resize(a.T);
   for (int64_t t = 0; t < a.T; ++t) {
     half_sums(a.q[t], nb, off.data() + t * nb * 2);
     offs[t] = off.data() + t * nb * 2;
@@ -642,18 +644,14 @@ void iq4_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a
                   const uint8_t* const* next, int64_t n_next) {
   const int64_t nb = a.n / QK;
 #if defined(PINFER_AVX2)
-  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
-                                            const uint8_t* const* nx) {
-    typedef decltype(v) V;
-    if (type == IQ4_XS)
-      lane_group<V, Q8_0>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
-        iq4_walk<V, IQ4_XS>(rp, nb, nxt, f);
-      });
-    else
-      lane_group<V, Q8_0>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
-        iq4_walk<V, IQ4_NL>(rp, nb, nxt, f);
-      });
-  });
+  if (type == IQ4_XS)
+    walked_dot_rows<Q8_0>(rows, n, nb, a, out, os, next, n_next, [&](auto v, auto rp, auto nxt, auto&& f) {
+      iq4_walk<decltype(v), IQ4_XS>(rp, nb, nxt, f);
+    });
+  else
+    walked_dot_rows<Q8_0>(rows, n, nb, a, out, os, next, n_next, [&](auto v, auto rp, auto nxt, auto&& f) {
+      iq4_walk<decltype(v), IQ4_NL>(rp, nb, nxt, f);
+    });
 #else
   (void)next, (void)n_next;
   for (int64_t r = 0; r < n; ++r) iq4_row(type, rows[r], nb, a, out + r, os);
@@ -675,18 +673,14 @@ void q5_dot_rows(int type, const uint8_t* const* rows, int64_t n, const Acts& a,
                  const uint8_t* const* next, int64_t n_next) {
   const int64_t nb = a.n / QK;
 #if defined(PINFER_AVX2)
-  in_groups(rows, n, out, next, n_next, [&](auto v, const uint8_t* const* g, int64_t m, float* o,
-                                            const uint8_t* const* nx) {
-    typedef decltype(v) V;
-    if (type == Q5_1)
-      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
-        q5_walk<V, Q5_1>(rp, nb, nxt, f);
-      });
-    else
-      lane_group<V, Q4_1>(g, m, nb, a, o, os, nx, [&](auto rp, auto nxt, auto&& f) {
-        q5_walk<V, Q5_0>(rp, nb, nxt, f);
-      });
-  });
+  if (type == Q5_1)
+    walked_dot_rows<Q4_1>(rows, n, nb, a, out, os, next, n_next, [&](auto v, auto rp, auto nxt, auto&& f) {
+      q5_walk<decltype(v), Q5_1>(rp, nb, nxt, f);
+    });
+  else
+    walked_dot_rows<Q4_1>(rows, n, nb, a, out, os, next, n_next, [&](auto v, auto rp, auto nxt, auto&& f) {
+      q5_walk<decltype(v), Q5_0>(rp, nb, nxt, f);
+    });
 #else
   (void)next, (void)n_next;
   for (int64_t r = 0; r < n; ++r) q5_row(type, rows[r], nb, a, out + r, os);
@@ -701,7 +695,7 @@ void q5_to_f32(int type, const uint8_t* row, int64_t n, float* out) {
     uint32_t qh;
     std::memcpy(&qh, blk + QH, 4);
     for (int l = 0; l < 32; ++l) {
-      const int q = ((blk[QH + 4 + l % 16] >> (4 * (l / 16))) & 15) | ((qh >> l) & 1) << 4;
+      const int32_t q = q5_quant(blk, QH, qh, l);
       // as gguf-py: Q5_0 d (q - 16), Q5_1 d q + m (the products exact in f32: an f16 times 5 bits)
       out[b * QK + l] = type == Q5_1 ? d * (float)q + f16_scale(blk + 2) : d * (float)(q - 16);
     }

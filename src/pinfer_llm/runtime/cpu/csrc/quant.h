@@ -138,6 +138,14 @@ inline void prefetch_l2(const void* p) {
   __builtin_prefetch(p, 0, 2);
 #endif
 }
+// both kinds for a tile's N rows at byte offset bo: its rows PF_AHEAD on, the caller's next rows (if any) at bo
+template <int N>
+inline void prefetch_rows(const uint8_t* const* rows, int64_t bo, const uint8_t* const* nxt) {
+  for (int r = 0; r < N; ++r) {
+    prefetch(rows[r] + bo + PF_AHEAD);
+    if (nxt) prefetch_l2(nxt[r] + bo);
+  }
+}
 
 // --- 8-bit activation blocks ---------------------------------------------------------------------------------------
 
@@ -510,11 +518,7 @@ inline void qtile_lanes(const uint8_t* const* rows, const Q8* xs, int64_t nb, fl
     // the rows as rows[r] + bo (an addressing mode), not as N pointers advanced a block at a time: N = 16 pointers
     // did not fit the registers, and their stores and reloads were a third of the loop's instructions
     const int64_t bo = b * BB;
-    if (b % PF_EVERY == 0)
-      for (int r = 0; r < V::N; ++r) {
-        prefetch(rows[r] + bo + PF_AHEAD);
-        if (nxt) prefetch_l2(nxt[r] + bo);
-      }
+    if (b % PF_EVERY == 0) prefetch_rows<V::N>(rows, bo, nxt);
     vi w[8];
     lane_weights<V, TY>(rows, bo, w);
     vf dw, mw = V::zero_f();
@@ -540,11 +544,7 @@ inline void lane_pack(const uint8_t* const* rows, int64_t nb, LanePack<V>* pk, c
   const Leads<V> leads(rows);
   for (int64_t b = 0; b < nb; ++b) {  // qtile_lanes' prefetches
     const int64_t bo = b * BB;
-    if (b % PF_EVERY == 0)
-      for (int r = 0; r < V::N; ++r) {
-        prefetch(rows[r] + bo + PF_AHEAD);
-        if (nxt) prefetch_l2(nxt[r] + bo);
-      }
+    if (b % PF_EVERY == 0) prefetch_rows<V::N>(rows, bo, nxt);
     lane_weights<V, TY>(rows, bo, pk[b].w);
     pk[b].mw = V::zero_f();
     V::halves(leads.at(rows, bo), pk[b].dw, pk[b].mw, TY == Q4_1);
