@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -800,3 +801,48 @@ def test_ffn_act(ops):
                                atol=1e-7)
     with pytest.raises(RuntimeError, match="a gate for acts"):
         ops.ffn_act(None, u, 0)
+
+
+# --- the cache write of attention: RoPE and the half rounding --------------------------------------------------------
+
+def fma32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """float32 x * y + z with one rounding (to nearest, ties to even), elementwise, from exact rationals."""
+    out = np.empty(len(x), np.float32)
+    for i, (a, b, c) in enumerate(zip(x.tolist(), y.tolist(), z.tolist(), strict=True)):
+        exact = Fraction(a) * Fraction(b) + Fraction(c)
+        near = np.float32(float(exact))
+        cands = [near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))]
+        out[i] = min(cands, key=lambda f: (abs(Fraction(float(f)) - exact), int(f.view(np.uint32)) & 1))
+    return out
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("D", [64, 40, 24])
+def test_cache_write_is_ropes_fused_formula_bit_for_bit(ops, kv, neox, D):
+    """The key written at pos is (fma(a, c, -(b s)), fma(b, c, a s)) per rotary pair (a, b), the products b s and
+    a s rounded to float32, then rounded to half (nearest even) for a half cache; the value is copied (or rounded)
+    as is: in every build, in the vector path (head sizes whose pairs fill vectors) and the scalar one (the others)."""
+    H, Hkv, pos, ctx = 2, 1, 3, 8
+    rng = np.random.default_rng(D + 2 * neox)
+    qkv = torch.from_numpy((rng.standard_normal((1, (H + 2 * Hkv) * D)) * 3).astype(np.float32))
+    ang = rng.random(D // 2) * 6
+    rope = torch.from_numpy(np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32))
+    dt = torch.float32 if kv == "f32" else torch.float16
+    k_cache, v_cache = torch.zeros(Hkv, ctx, D, dtype=dt), torch.zeros(Hkv, ctx, D, dtype=dt)
+    ops.attend_decode(qkv, rope, k_cache, v_cache, pos, H, Hkv, 0.5, neox)
+    k = qkv[0, H * D:(H + 1) * D].numpy()
+    half = D // 2
+    a, b = (k[:half], k[half:]) if neox else (k[0::2], k[1::2])
+    c, s = rope[:, 0].numpy(), rope[:, 1].numpy()
+    lo, hi = fma32(a, c, -(b * s)), fma32(b, c, a * s)  # numpy float32 products: each rounded on its own
+    want = np.empty(D, np.float32)
+    if neox:
+        want[:half], want[half:] = lo, hi
+    else:
+        want[0::2], want[1::2] = lo, hi
+    want_v = qkv[0, (H + 1) * D:].numpy()
+    if kv == "f16":
+        want, want_v = want.astype(np.float16), want_v.astype(np.float16)
+    assert np.array_equal(k_cache[0, pos].numpy().view(np.uint8), want.view(np.uint8))
+    assert np.array_equal(v_cache[0, pos].numpy().view(np.uint8), want_v.view(np.uint8))

@@ -8,6 +8,7 @@
 // neox, the halves (i, i + D/2) (GPT-NeoX / Falcon). Pair i uses rope row i either way.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <type_traits>
 
 #include "kernels.h"
@@ -25,16 +26,89 @@ inline KV to_kv(float v) {
   else return f32_to_f16(v);
 }
 
-// rotate src (D values) into dst: dst[a] = src[a] c - src[b] s, dst[b] = src[a] s + src[b] c for each pair (a, b)
+// rotate src (D values) into dst: dst[a] = src[a] c - src[b] s, dst[b] = src[b] c + src[a] s for each pair (a, b),
+// each as one fused multiply-add of a rounded product: fma(src[a], c, -(src[b] s)), fma(src[b], c, src[a] s). Written
+// as fma here and in the vector path so that both give these bits, whatever the compiler would contract a * c - b * s
+// into (GCC fused it one way in the scalar loop and another in vector code).
 template <typename KV>
-void rotate(const float* src, KV* dst, const float* cs, int64_t D, bool neox) {
+void rotate_scalar(const float* src, KV* dst, const float* cs, int64_t D, bool neox) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; ++i) {
     const int64_t ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
     const float a = src[ia], b = src[ib], c = cs[2 * i], s = cs[2 * i + 1];
-    dst[ia] = to_kv<KV>(a * c - b * s);
-    dst[ib] = to_kv<KV>(a * s + b * c);
+    const float bs = b * s, as = a * s;
+    dst[ia] = to_kv<KV>(std::fma(a, c, -bs));
+    dst[ib] = to_kv<KV>(std::fma(b, c, as));
   }
+}
+
+#if defined(PINFER_AVX2)
+// VW floats into dst as they are or rounded to half (vcvtps2ph, round to nearest even: f32_to_f16's bits)
+template <typename KV>
+inline void store_vec(KV* dst, vf v) {
+  if constexpr (std::is_same<KV, float>::value) vstore(dst, v);
+#if defined(PINFER_AVX512)
+  else _mm256_storeu_si256((__m256i*)dst, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  else _mm_storeu_si128((__m128i*)dst, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+}
+
+// rotate_scalar's bits, VW values at a time (a row of a 4-row SmolLM2 step spent ~2 us per layer in the scalar loop
+// and its one-at-a-time half conversions: work each row pays alone). Adjacent pairs: the row times (c, c) minus /
+// plus the pair-swapped row times (s, s), in the even / odd lanes (fmaddsub). Halves: c and s split out of the
+// (cos, sin) pairs.
+template <typename KV>
+inline void rotate_vec(const float* src, KV* dst, const float* cs, int64_t D, bool neox) {
+#if defined(PINFER_AVX512)
+  auto dup_even = [](vf v) { return _mm512_moveldup_ps(v); };
+  auto dup_odd = [](vf v) { return _mm512_movehdup_ps(v); };
+  auto swap_pairs = [](vf v) { return _mm512_permute_ps(v, 0xB1); };
+  auto fmaddsub = [](vf a, vf b, vf c) { return _mm512_fmaddsub_ps(a, b, c); };
+  auto fmsub = [](vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); };
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  auto split = [&](const float* p, vf& c, vf& s) {
+    const vf lo = vload(p), hi = vload(p + VW);
+    c = _mm512_permutex2var_ps(lo, evens, hi);
+    s = _mm512_permutex2var_ps(lo, odds, hi);
+  };
+#else
+  auto dup_even = [](vf v) { return _mm256_moveldup_ps(v); };
+  auto dup_odd = [](vf v) { return _mm256_movehdup_ps(v); };
+  auto swap_pairs = [](vf v) { return _mm256_permute_ps(v, 0xB1); };
+  auto fmaddsub = [](vf a, vf b, vf c) { return _mm256_fmaddsub_ps(a, b, c); };
+  auto fmsub = [](vf a, vf b, vf c) { return _mm256_fmsub_ps(a, b, c); };
+  auto split = [&](const float* p, vf& c, vf& s) {  // in-lane even / odd picks, then the 64-bit quarters in order
+    const vf lo = vload(p), hi = vload(p + VW);
+    c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8));
+    s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8));
+  };
+#endif
+  if (!neox) {
+    for (int64_t i = 0; i < D; i += VW) {
+      const vf v = vload(src + i), p = vload(cs + i);
+      store_vec(dst + i, fmaddsub(v, dup_even(p), vmul(swap_pairs(v), dup_odd(p))));
+    }
+    return;
+  }
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i += VW) {
+    vf c, s;
+    split(cs + 2 * i, c, s);
+    const vf a = vload(src + i), b = vload(src + half + i);
+    store_vec(dst + i, fmsub(a, c, vmul(b, s)));
+    store_vec(dst + half + i, vfma(b, c, vmul(a, s)));
+  }
+}
+#endif
+
+template <typename KV>
+void rotate(const float* src, KV* dst, const float* cs, int64_t D, bool neox) {
+#if defined(PINFER_AVX2)
+  if ((neox ? D / 2 : D) % VW == 0) return rotate_vec(src, dst, cs, D, neox);
+#endif
+  rotate_scalar(src, dst, cs, D, neox);
 }
 
 // q rotated into q [H, D]; k rotated and v stored into the cache rows pos
@@ -46,7 +120,11 @@ void store_row(const float* qkv, const float* rope, KV* kc, KV* vc, int64_t ctx,
     rotate(qkv + (H + g) * D, kc + (g * ctx + pos) * D, rope, D, neox);
     const float* v = qkv + (H + Hkv + g) * D;
     KV* vdst = vc + (g * ctx + pos) * D;
-    for (int64_t i = 0; i < D; ++i) vdst[i] = to_kv<KV>(v[i]);
+    int64_t i = 0;
+#if defined(PINFER_AVX2)
+    for (; i + VW <= D; i += VW) store_vec(vdst + i, vload(v + i));
+#endif
+    for (; i < D; ++i) vdst[i] = to_kv<KV>(v[i]);
   }
 }
 
