@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]  # the checkout, without an install
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the checkout, without an install
 
 TOPICS = ["the sea", "mountains", "a cat", "coffee", "trains", "autumn", "a library", "the moon", "bread", "rain",
           "a garden", "music", "winter", "bicycles", "the desert", "a lighthouse", "bees", "clocks", "snow", "rivers"]
@@ -228,8 +228,6 @@ LLAMA_SERVER = ROOT.parent / "ref" / "llama.cpp" / "build" / "bin" / "llama-serv
 
 def start_llama_server(binary: Path, model: str, threads: int, parallel: int, ctx: int) -> tuple[subprocess.Popen, str]:
     """llama.cpp's own server on the same file: -np slots of ctx tokens each (its -c is shared by the slots)."""
-    import socket
-
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
@@ -486,7 +484,7 @@ def targets(args) -> dict:
 
 def planted(args) -> dict:
     """A planted ReLU model with predictors (sparsity_demo's), pi-serve --sparse: one client vs 4, completions."""
-    import sparsity_demo as sd
+    from benchmarks import sparsity_demo as sd
 
     path = sd.planted_model(args.threads)
     p, url = start_server(str(path), args.threads, 8, ("--parallel", str(args.parallel), "-c", "1024", "--sparse"))
@@ -547,7 +545,7 @@ def against(args) -> dict:
     server is measured against its parent this way; sequential runs drift with the host by more than it."""
     sparse = args.model == "planted"
     if sparse:
-        import sparsity_demo as sd
+        from benchmarks import sparsity_demo as sd
     model = str(sd.planted_model(args.threads)) if sparse else args.model
     n = args.parallel
     extra = ("--parallel", str(n), "-c", "1024", *(("--sparse",) if sparse else ()))
