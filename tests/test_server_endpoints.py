@@ -108,6 +108,39 @@ def test_metrics_count_requests_and_tokens(http):
     assert metric(after, "pinfer_requests_waiting") == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_is_counted_before_its_last_bytes_are_sent(stream):
+    """A client that has read its whole answer and then asks /metrics (the next request on its connection, which the
+    server may answer before the first one's handler has returned) finds the first one counted: AccessLog records
+    it as the final body message goes out, not after the app returns."""
+    import asyncio
+
+    from pinfer_llm.runtime.serving.access import AccessLog
+    from pinfer_llm.runtime.serving.metrics import Metrics
+
+    metrics = Metrics()
+    seen = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in ([b"data: 1\n\n", b"data: [DONE]\n\n"] if stream else [b"{}"]):
+            last = part in (b"data: [DONE]\n\n", b"{}")
+            await send({"type": "http.response.body", "body": part, "more_body": not last})
+        await asyncio.sleep(0)  # the handler's own wind-down, after the client has all it asked for
+
+    async def send(message):
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            seen.append(dict(metrics.requests))
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "client": ("t", 1)}
+    asyncio.run(AccessLog(app, metrics)(scope, receive, send))
+    assert seen == [{("/v1/completions", 200): 1}]
+    assert metrics.requests == {("/v1/completions", 200): 1}  # once, not again when the app returns
+
+
 # ---- /v1/embeddings ----------------------------------------------------------------------------------------------
 
 def output_head(m, v):

@@ -36,9 +36,26 @@ class AccessLog:
         rec = RequestRecord(scope["method"], scope["path"], client=client[0] if client else "-")
         scope[RECORD] = rec
 
+        done = False
+
+        def finish():
+            nonlocal done
+            if done:
+                return
+            done = True
+            if not rec.status:  # the client left before an answer began
+                rec.status = 499
+            log.info("%s", rec.line(time.perf_counter()))
+            self.metrics.record(rec)
+
         async def sending(message):
             if message["type"] == "http.response.start":
                 rec.status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # counted before its last bytes go: a client that has read its whole answer and asks /metrics
+                # finds the request there (counted after the app returned, the next request on the same
+                # connection could be answered first)
+                finish()
             await send(message)
 
         try:
@@ -49,10 +66,7 @@ class AccessLog:
             else:
                 await self.app(scope, receive, sending)
         finally:
-            if not rec.status:  # the client left before an answer began
-                rec.status = 499
-            log.info("%s", rec.line(time.perf_counter()))
-            self.metrics.record(rec)
+            finish()
 
     def _secret_in_query(self, qs: bytes) -> bool:
         if not qs:
