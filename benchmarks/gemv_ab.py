@@ -18,7 +18,10 @@ import statistics
 import subprocess
 import sys
 
-TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}  # type id, bytes per 32 values
+# type id, bytes per block, values per block, where the block's f16 scales sit (set finite: random bytes would make
+# infinities and NaNs, and denormal products that take microcode assists)
+TYPES = {"Q4_0": (2, 18, 32, 0), "Q4_1": (3, 20, 32, 0, 2), "Q8_0": (8, 34, 32, 0), "Q6_K": (14, 210, 256, 208),
+         "Q4_K": (12, 144, 256, 0, 2), "Q5_K": (13, 176, 256, 0, 2), "IQ4_XS": (23, 136, 256, 0)}
 SHAPES = [("gate+up", 11264, 2048), ("qkv", 2560, 2048), ("down", 2048, 5632)]
 
 # The worker makes its own weights rather than importing step_ops.weight: step_ops puts this checkout's src/ first on
@@ -29,18 +32,19 @@ sys.path.insert(0, sys.argv[1])
 import numpy as np, torch
 from pinfer_llm.runtime.cpu import kernels
 assert kernels.available(), kernels.status()
-t, bb, threads, shapes = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+t, bb, qk, *scales_at = (int(v) for v in sys.argv[2].split(","))
+threads, shapes = int(sys.argv[3]), json.loads(sys.argv[4])
 torch.set_num_threads(threads)
+kernels.set_threads(threads)
 rng = np.random.default_rng(0)
 def weight(rows, cols):
-    raw = rng.integers(0, 256, (rows, cols // 32, bb), dtype=np.uint8)
-    raw[:, :, :2] = np.full((rows, cols // 32, 1), 0.01, np.float16).view(np.uint8)  # finite scales
-    if t == 3:
-        raw[:, :, 2:4] = np.full((rows, cols // 32, 1), 0.001, np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, (rows, cols // qk, bb), dtype=np.uint8)
+    for i, at in enumerate(scales_at):  # d, then a min's scale
+        raw[:, :, at:at + 2] = np.full((rows, cols // qk, 1), 0.01 if i == 0 else 0.001, np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))
 sets = []
 for _, r, c in shapes:
-    copies = max(2, min(64, (400 << 20) // (r * c // 32 * bb)))
+    copies = max(2, min(64, (400 << 20) // (r * c // qk * bb)))
     sets.append(([weight(r, c) for _ in range(copies)], torch.randn(1, c)))
 for _ in sys.stdin:
     out = []
@@ -60,9 +64,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    t, bb = TYPES[args.type]
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, tree, str(t), str(bb), str(args.threads),
-                                 json.dumps(SHAPES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    shapes = SHAPES + ([("head", 32000, 2048)] if args.type == "Q6_K" else [])  # llama.cpp's usual output type
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, tree, ",".join(map(str, TYPES[args.type])),
+                                 str(args.threads), json.dumps(shapes)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                for tree in args.trees]
     res: list[list[list[float]]] = [[] for _ in args.trees]
     for r in range(args.rounds):
@@ -79,7 +84,7 @@ def main() -> None:
         w.wait()
     print(f"one-token {args.type} GEMV from memory, {args.threads} threads, {args.rounds} paired rounds "
           f"(median us per call; ratio: median of per-round ratios to {args.trees[0]})")
-    for j, (name, rows, cols) in enumerate(SHAPES):
+    for j, (name, rows, cols) in enumerate(shapes):
         cells = [f"{tree}: {statistics.median(x[j] for x in res[i]):.1f} us, "
                  f"{statistics.median(a[j] / b[j] for a, b in zip(res[i], res[0], strict=True)):.3f}x"
                  for i, tree in enumerate(args.trees)]

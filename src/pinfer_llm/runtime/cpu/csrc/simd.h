@@ -33,6 +33,11 @@
 #define PINFER_VNNI 1
 #endif
 
+// For a helper called inside a tile's loop whose vector registers are all live: left out of line (GCC's choice for
+// a prefetch helper called 8 times per Q6_K super-block), each call spilled and reloaded them all, 1.4-1.65x the
+// time of the inlined walk (one-token Q6_K GEMVs from memory, Xeon, paired rounds).
+#define PINFER_INLINE inline __attribute__((always_inline))
+
 namespace pinfer {
 
 // The path this build compiled, for status lines and benchmark reports.
