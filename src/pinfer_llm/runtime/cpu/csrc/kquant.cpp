@@ -82,9 +82,9 @@ void half_sums(const Q8& x, int64_t nb, int32_t* off) {
 
 // Share `part` of 8 of a super-block of bb bytes at so: those rows' super-block two on into L1, the caller's next
 // rows' at so into L2. A walk calls it at each of its 8 chunks or sub-blocks, so that the requests come a few rows
-// at a time: all N rows' lines at the top of each super-block (4 to 5 lines a row, 64-80 requests at once) kept the
-// line fill buffers full of misses to DRAM while the walk's own loads waited behind them. One-token Q6_K GEMVs from
-// memory (Xeon, 2 threads, paired rounds, benchmarks/gemv_ab.py --type Q6_K): 0.56-0.68x the time.
+// at a time rather than all N rows' lines at the top of each super-block (4 to 5 lines a row, 64-80 misses to DRAM in
+// flight at once, ahead of the walk's own loads): one-token GEMVs from memory (Xeon, 2 threads, paired rounds,
+// benchmarks/gemv_ab.py) 0.87-0.96x the time for Q6_K, 0.89-1.0x for Q4_K. Always inlined (simd.h PINFER_INLINE).
 template <int N>
 PINFER_INLINE void prefetch_superblock(const uint8_t* const* rows, int64_t so, int64_t bb, const uint8_t* const* nxt,
                                        int part) {
