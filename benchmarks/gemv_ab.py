@@ -34,8 +34,7 @@ from pinfer_llm.runtime.cpu import kernels
 assert kernels.available(), kernels.status()
 t, bb, qk, *scales_at = (int(v) for v in sys.argv[2].split(","))
 threads, shapes = int(sys.argv[3]), json.loads(sys.argv[4])
-torch.set_num_threads(threads)
-kernels.set_threads(threads)
+kernels.set_threads(threads)  # torch.set_num_threads, the kernels' loops included
 rng = np.random.default_rng(0)
 def weight(rows, cols):
     raw = rng.integers(0, 256, (rows, cols // qk, bb), dtype=np.uint8)

@@ -105,6 +105,32 @@ def start_server(model: str, threads: int, queue: int, extra: tuple[str, ...] = 
             time.sleep(0.1)
 
 
+def take_event(out: dict, event: bytes, chat: bool, t0: float, now) -> bool:
+    """One server-sent event into out (a stream's result: text, time to first token, usage, finish reason, its end or
+    its error); now() is the event's time, asked only of one that carries text (kept in out["last"]). False once the
+    stream has ended."""
+    if not event.startswith(b"data: "):
+        return True
+    payload = event[6:]
+    if payload == b"[DONE]":
+        out["done"] = True
+        return False
+    ev = json.loads(payload)
+    if "error" in ev:
+        out["error"] = ev["error"]["message"]
+        return False
+    if ev.get("usage"):
+        out["usage"] = ev["usage"]
+    for ch in ev["choices"]:
+        piece = ch["delta"].get("content") if chat else ch.get("text")
+        if piece:
+            out["last"] = now()
+            out["ttft"] = out["ttft"] if out["ttft"] is not None else out["last"] - t0
+            out["text"] += piece
+        out["finish"] = ch["finish_reason"] or out["finish"]
+    return True
+
+
 def stream_chat(url: str, messages: list[dict] | str, max_tokens: int, cache: bool = True) -> dict:
     """One streaming chat request (a str: a completion of that prompt): text, time to first token, decode time,
     usage, error.
@@ -115,10 +141,9 @@ def stream_chat(url: str, messages: list[dict] | str, max_tokens: int, cache: bo
     chat = not isinstance(messages, str)
     body = {"messages" if chat else "prompt": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": cache}
-    out = {"text": "", "ttft": None, "error": None, "usage": None, "finish": None, "done": False}
     u = urllib.parse.urlsplit(url)
     t0 = time.monotonic()
-    t_last = t0
+    out = {"text": "", "ttft": None, "error": None, "usage": None, "finish": None, "done": False, "last": t0}
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT.read)
     try:
         conn.request("POST", u.path + ("/v1/chat/completions" if chat else "/v1/completions"),
@@ -134,31 +159,14 @@ def stream_chat(url: str, messages: list[dict] | str, max_tokens: int, cache: bo
                 break
             *events, pending = (pending + got).split(b"\n\n")
             for event in events:
-                if not event.startswith(b"data: "):
-                    continue
-                data = event[6:]
-                if data == b"[DONE]":
-                    out["done"] = True
+                if not take_event(out, event, chat, t0, time.monotonic):
                     break
-                ev = json.loads(data)
-                if "error" in ev:
-                    out["error"] = ev["error"]["message"]
-                    break
-                if ev.get("usage"):
-                    out["usage"] = ev["usage"]
-                for ch in ev["choices"]:
-                    piece = ch["delta"].get("content") if chat else ch.get("text")
-                    if piece:
-                        t_last = time.monotonic()
-                        out["ttft"] = out["ttft"] if out["ttft"] is not None else t_last - t0
-                        out["text"] += piece
-                    out["finish"] = ch["finish_reason"] or out["finish"]
     except (OSError, http.client.HTTPException) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         conn.close()
     out["wall"] = time.monotonic() - t0
-    out["decode_s"] = t_last - t0 - (out["ttft"] or 0)
+    out["decode_s"] = out["last"] - t0 - (out["ttft"] or 0)
     return out
 
 
@@ -282,7 +290,7 @@ def dechunk(data: bytes) -> tuple[bytes, list[tuple[int, int]]]:
 def parse_stream(raw: bytes, recvs: list[tuple[float, int]], t0: float, chat: bool) -> dict:
     """stream_chat's result from a whole answer as received: raw, the bytes; recvs, (time, raw bytes so far) after
     each read. Each event's time is that of the read which completed it."""
-    out = {"text": "", "ttft": None, "error": None, "usage": None, "finish": None, "done": False}
+    out = {"text": "", "ttft": None, "error": None, "usage": None, "finish": None, "done": False, "last": t0}
     head, _, data = raw.partition(b"\r\n\r\n")
     status = head.split(b"\r\n")[0]
     hdr = head.lower()
@@ -302,30 +310,13 @@ def parse_stream(raw: bytes, recvs: list[tuple[float, int]], t0: float, chat: bo
     if b" 200 " not in status + b" ":
         out["error"] = f"{status.decode(errors='replace')}: {body.decode(errors='replace')[:200]}"
         return out | {"wall": recvs[-1][0] - t0 if recvs else 0.0, "decode_s": 0.0}
-    t_last, pos = t0, 0
+    pos = 0
     for event in body.split(b"\n\n"):
         pos += len(event) + 2
-        if not event.startswith(b"data: "):
-            continue
-        payload = event[6:]
-        if payload == b"[DONE]":
-            out["done"] = True
+        if not take_event(out, event, chat, t0, lambda end=pos - 2: when(end)):
             break
-        ev = json.loads(payload)
-        if "error" in ev:
-            out["error"] = ev["error"]["message"]
-            break
-        if ev.get("usage"):
-            out["usage"] = ev["usage"]
-        for ch in ev["choices"]:
-            piece = ch["delta"].get("content") if chat else ch.get("text")
-            if piece:
-                t_last = when(pos - 2)
-                out["ttft"] = out["ttft"] if out["ttft"] is not None else t_last - t0
-                out["text"] += piece
-            out["finish"] = ch["finish_reason"] or out["finish"]
     out["wall"] = (recvs[-1][0] if recvs else t0) - t0
-    out["decode_s"] = t_last - t0 - (out["ttft"] or 0)
+    out["decode_s"] = out["last"] - t0 - (out["ttft"] or 0)
     return out
 
 
