@@ -15,7 +15,10 @@ both). Peak RSS of each process is reported too (pinfer's target: file + KV cach
 
 Beside each figure, the bytes bound: the weight bytes a token touches (every tensor but the embedding in full, and of
 the FFN's neuron rows, ffn_gate/ffn_up/ffn_down_t, the share pinfer computed), read at the streaming bandwidth of
---threads threads measured in the run; the figure's share of it says how far from memory speed the engine is.
+--threads threads; the figure's share of it says how far from memory speed the engine is. The bandwidth is measured
+right before each pinfer run, and the share is the median of per-round shares (each run against its own probe): on a
+VM the bandwidth drifts between runs (23.6-27.0 GB/s on one Xeon in a day), and one probe at the start made the
+share move with it. The probe at the start and the share against it are reported too.
 """
 
 from __future__ import annotations
@@ -93,11 +96,17 @@ def med(rows: list[dict], key: str) -> float:
     return round(statistics.median(x[key] for x in rows), 2)
 
 
-def bound(model: Path, active: float, bandwidth: float, tps: float) -> dict:
+def bound(model: Path, active: float, bandwidth: float, runs: list[dict]) -> dict:
+    """The bytes bound of pinfer's runs: against the run's first probe (`bandwidth`, GB/s) for their median speed, and
+    paired (each run's speed against the probe taken just before it; the median of those shares)."""
     nbytes = touched_bytes(model, active)
     tokens_per_s = bandwidth * 1e9 / nbytes
+    shares = [r["decode_tps"] / (r["bandwidth_gbs"] * 1e9 / nbytes) for r in runs]
     return {"bytes_per_token": nbytes, "bandwidth_gbs": round(bandwidth, 2), "tokens_per_s": round(tokens_per_s, 1),
-            "pinfer_share": round(tps / tokens_per_s, 3)}
+            "pinfer_share": round(statistics.median(r["decode_tps"] for r in runs) / tokens_per_s, 3),
+            "round_bandwidth_gbs": [round(r["bandwidth_gbs"], 2) for r in runs],
+            "pinfer_share_paired": round(statistics.median(shares), 3),
+            "pinfer_shares": [round(x, 3) for x in shares]}
 
 
 def make_models(args) -> list[Path]:
@@ -142,11 +151,14 @@ def main() -> None:
         for r in range(args.rounds):
             order = ["pinfer", "powerinfer"] if r % 2 == 0 else ["powerinfer", "pinfer"]
             for e in order:
+                bw = measure_cpu_bandwidth(args.threads) if e == "pinfer" else None  # this run's probe
                 before = child_rss_mb()
                 t0 = time.perf_counter()
                 res = (run_pinfer(model, args.threads, args.tokens) if e == "pinfer"
                        else run_powerinfer(args.powerinfer, model, args.threads, args.tokens))
                 res["wall_s"] = time.perf_counter() - t0
+                if bw is not None:
+                    res["bandwidth_gbs"] = bw
                 res["peak_rss_mb_at_least"] = max(child_rss_mb(), before)
                 rows[e].append(res)
             if not args.json:
@@ -159,8 +171,7 @@ def main() -> None:
                         "pinfer_decode_tps_median": med(rows["pinfer"], "decode_tps"),
                         "powerinfer_decode_tps_median": med(rows["powerinfer"], "decode_tps"),
                         "pinfer_active_fraction": rows["pinfer"][0]["active"],
-                        "bound": bound(model, rows["pinfer"][0]["active"], bandwidth,
-                                       med(rows["pinfer"], "decode_tps")),
+                        "bound": bound(model, rows["pinfer"][0]["active"], bandwidth, rows["pinfer"]),
                         "pinfer_load_s": round(statistics.median(x["load_s"] for x in rows["pinfer"]), 3)})
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -171,9 +182,12 @@ def main() -> None:
               f"PowerInfer {s['powerinfer_decode_tps_median']} tok/s, {s['threads']} threads; pinfer computed "
               f"{s['pinfer_active_fraction']:.1%} of neurons)")
         b = s["bound"]
-        print(f"  bound: {b['bytes_per_token'] / 1e6:.1f} MB touched per token at {b['bandwidth_gbs']:.1f} GB/s "
-              f"({s['threads']} threads, measured in this run) = {b['tokens_per_s']:.1f} tok/s; pinfer at "
-              f"{b['pinfer_share']:.0%} of it")
+        lo, hi = min(b["round_bandwidth_gbs"]), max(b["round_bandwidth_gbs"])
+        print(f"  bound: {b['bytes_per_token'] / 1e6:.1f} MB touched per token; each pinfer run against the "
+              f"bandwidth probed just before it ({lo:.1f}-{hi:.1f} GB/s, {s['threads']} threads): pinfer at "
+              f"{b['pinfer_share_paired']:.0%} of it (median of per-round "
+              f"shares {b['pinfer_shares']}); against the first probe ({b['bandwidth_gbs']:.1f} GB/s = "
+              f"{b['tokens_per_s']:.1f} tok/s) {b['pinfer_share']:.0%}")
 
 
 if __name__ == "__main__":
