@@ -317,6 +317,31 @@ def test_kquant_row_bits_are_the_same_alone_in_a_batch_and_in_every_build(kernel
         assert torch.equal(alone, first), build
 
 
+# the types whose quants are unsigned levels (Q4_1's lane chain, quant.h lane_block): block bytes, values per block, the
+# offsets of their f16 scales
+UNSIGNED_LEVELS = {"Q4_0": (Q4_0, 18, 32, (0,)), "Q4_1": (Q4_1, 20, 32, (0, 2)), "Q5_0": (Q5_0, 22, 32, (0,)),
+                   "Q5_1": (Q5_1, 24, 32, (0, 2)), "Q4_K": (Q4_K, 144, 256, (0, 2)), "Q5_K": (Q5_K, 176, 256, (0, 2))}
+
+
+@pytest.mark.parametrize("name", UNSIGNED_LEVELS)
+def test_largest_levels_against_largest_activations(ops, name):
+    """Every quant at its top level (all bits set: 15, or 31 for the 5-bit types, and the K-quants' largest sub-block
+    scales) against activations at the int8 extreme of either sign, 1 to 17 tokens: the AVX2 tiles without VNNI add
+    products in 16 bits, and a sum that wrapped there would be far off."""
+    t, size, values, scales = UNSIGNED_LEVELS[name]
+    rows, cols = 19, 512
+    raw = np.full((rows, cols // values, size), 0xFF, np.uint8)
+    for at in scales:
+        raw[..., at:at + 2] = np.full((rows, cols // values, 1), 1e-3, np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    wref = quants.dequantize(raw, GT(t)).reshape(rows, cols).astype(np.float64)
+    w = place(raw, 7)
+    for T in (1, 2, 4, 17):
+        x = np.where(np.arange(T)[:, None] % 2 == 0, 1.0, -1.0) * np.ones((1, cols))
+        x = x.astype(np.float32)
+        assert_dot_close(ops.qmatmul(torch.from_numpy(x), [w], [t], 1 << 30), wref, x, t, True, f"{name} T={T}")
+
+
 @pytest.mark.parametrize("name", KQUANTS)
 def test_kquant_rows_are_refused_as_neuron_rows(ops, name):
     """axpy (ffn_down_t, a transposed predictor fc2) has no K-quant path: an op given such rows says so instead of

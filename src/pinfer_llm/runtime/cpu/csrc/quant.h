@@ -492,6 +492,25 @@ inline void lane_block(const typename V::vi* w, typename V::vf dw, typename V::v
   constexpr int NCH = C <= 2 ? 2 : 1;
   for (int c = 0; c < C; ++c) {
     const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
+#if !defined(PINFER_VNNI)
+    if constexpr (TY != Q8_0) {
+      // Without VNNI a product is vpmaddubsw (byte pairs into i16) then vpmaddwd (i16 pairs into i32). The unsigned
+      // quants that come here are at most 31 (Q4's nibbles; Q5_0, Q5_1 and Q5_K through Q4_1's chain) and an int8
+      // activation at most 128 in size, so a pair is at most 7936 and 4 products add in i16 (<= 31744: no
+      // saturation, no wrap) before one vpmaddwd: 18 integer instructions a token and block instead of 24, the same
+      // i32 sums (V::dot's chain; exact either way). Q8_0's pairs reach 32512: V::dot.
+      vi s = lane_bias<V, TY>(xs[c].bsum[b]);
+      for (int g = 0; g < 8; g += 4) {
+        vi h = _mm256_maddubs_epi16(w[g], V::set1_32(rd_i32(xq + 4 * g)));
+        for (int k = g + 1; k < g + 4; ++k)
+          h = _mm256_add_epi16(h, _mm256_maddubs_epi16(w[k], V::set1_32(rd_i32(xq + 4 * k))));
+        s = V::add32(s, _mm256_madd_epi16(h, _mm256_set1_epi16(1)));
+      }
+      facc[c] = V::fma(V::cvt(s), V::mul(dw, V::bcast(xs[c].d + b)), facc[c]);
+      if constexpr (TY == Q4_1) macc[c] = V::fma(mw, V::bcast(xs[c].s + b), macc[c]);
+      continue;
+    }
+#endif
     vi ch[NCH];
     ch[0] = lane_bias<V, TY>(xs[c].bsum[b]);
     if constexpr (NCH == 2) ch[1] = V::zero_i();
