@@ -317,17 +317,18 @@ def test_kquant_row_bits_are_the_same_alone_in_a_batch_and_in_every_build(kernel
         assert torch.equal(alone, first), build
 
 
-# the types whose quants are unsigned levels (Q4_1's lane chain, quant.h lane_block): block bytes, values per block, the
-# offsets of their f16 scales
+# the types whose quants are unsigned levels (quant.h dot_levels): block bytes, values per block, the offsets of their
+# f16 scales
 UNSIGNED_LEVELS = {"Q4_0": (Q4_0, 18, 32, (0,)), "Q4_1": (Q4_1, 20, 32, (0, 2)), "Q5_0": (Q5_0, 22, 32, (0,)),
-                   "Q5_1": (Q5_1, 24, 32, (0, 2)), "Q4_K": (Q4_K, 144, 256, (0, 2)), "Q5_K": (Q5_K, 176, 256, (0, 2))}
+                   "Q5_1": (Q5_1, 24, 32, (0, 2)), "Q4_K": (Q4_K, 144, 256, (0, 2)), "Q5_K": (Q5_K, 176, 256, (0, 2)),
+                   "Q6_K": (Q6_K, 210, 256, (208,))}
 
 
 @pytest.mark.parametrize("name", UNSIGNED_LEVELS)
 def test_largest_levels_against_largest_activations(ops, name):
-    """Every quant at its top level (all bits set: 15, or 31 for the 5-bit types, and the K-quants' largest sub-block
-    scales) against activations at the int8 extreme of either sign, 1 to 17 tokens: the AVX2 tiles without VNNI add
-    products in 16 bits, and a sum that wrapped there would be far off."""
+    """Every quant at its top level (all bits set: 15, 31 for the 5-bit types, 63 for Q6_K; the K-quants' largest
+    sub-block scales) against activations at the int8 extreme of either sign, 1 to 17 tokens: the AVX2 tiles without
+    VNNI add products in 16 bits, and a sum that wrapped there would be far off."""
     t, size, values, scales = UNSIGNED_LEVELS[name]
     rows, cols = 19, 512
     raw = np.full((rows, cols // values, size), 0xFF, np.uint8)

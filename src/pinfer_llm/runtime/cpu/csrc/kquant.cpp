@@ -128,8 +128,12 @@ inline void q6k_block(const typename V::vi* q, typename V::vi scA, typename V::v
   for (int t = 0; t < C; ++t) {
     const uint8_t* xq = (const uint8_t*)(xs[t].qs + b * QK);
     vi sA = V::zero_i(), sB = V::zero_i();
+#if !defined(PINFER_VNNI)
+    sA = dot_levels<2>(sA, q, xq, 0, 4), sB = dot_levels<2>(sB, q, xq, 4, 8);  // levels <= 63
+#else
     for (int k = 0; k < 4; ++k) sA = V::template dot<Q4_0>(sA, q[k], V::set1_32(rd_i32(xq + 4 * k)));
     for (int k = 4; k < 8; ++k) sB = V::template dot<Q4_0>(sB, q[k], V::set1_32(rd_i32(xq + 4 * k)));
+#endif
     const vi v = V::add32(mul32(sub32(sA, V::set1_32(offs[t][2 * b])), scA),
                           mul32(sub32(sB, V::set1_32(offs[t][2 * b + 1])), scB));
     acc[t] = V::fma(V::cvt(v), V::mul(dw, V::bcast(xs[t].d + b)), acc[t]);

@@ -479,6 +479,24 @@ struct Leads {
   }
 };
 
+#if defined(PINFER_AVX2) && !defined(PINFER_VNNI)
+// Without VNNI a product is vpmaddubsw (byte pairs into i16) then vpmaddwd (i16 pairs into i32). Levels of at most L
+// (unsigned) against int8 activations (|x| <= 127; 128 would do) make pairs of at most 256 L, so G products add in i16
+// before one vpmaddwd while G 256 L <= 32767: G = 4 for levels up to 31 (Q4, Q5), 2 up to 63 (Q6_K). Per 8 products
+// 18 (G 4) or 20 (G 2) integer instructions instead of 24, and the same i32 sums (integers: exact in any grouping).
+// acc + the products of w[k0 .. k1) (lane j: row j's 4 levels) with one token's values xq[4k .. 4k + 3].
+template <int G>
+inline __m256i dot_levels(__m256i acc, const __m256i* w, const uint8_t* xq, int k0, int k1) {
+  for (int g = k0; g < k1; g += G) {
+    __m256i h = _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(rd_i32(xq + 4 * g)));
+    for (int k = g + 1; k < g + G; ++k)
+      h = _mm256_add_epi16(h, _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(rd_i32(xq + 4 * k))));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(h, _mm256_set1_epi16(1)));
+  }
+  return acc;
+}
+#endif
+
 // One block of V::N rows (their lane registers w, scales dw and Q4_1's mins mw) against C tokens, into each token's
 // accumulators. Q4_1's offset term sum_b m_b s_b (weights q * d + m, the tokens' s = d_x sum(q_x)) runs in a second
 // accumulator per token, added last. The streaming tile and the packed one below both go through here: the same
@@ -493,19 +511,8 @@ inline void lane_block(const typename V::vi* w, typename V::vf dw, typename V::v
   for (int c = 0; c < C; ++c) {
     const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
 #if !defined(PINFER_VNNI)
-    if constexpr (TY != Q8_0) {
-      // Without VNNI a product is vpmaddubsw (byte pairs into i16) then vpmaddwd (i16 pairs into i32). The unsigned
-      // quants that come here are at most 31 (Q4's nibbles; Q5_0, Q5_1 and Q5_K through Q4_1's chain) and an int8
-      // activation at most 128 in size, so a pair is at most 7936 and 4 products add in i16 (<= 31744: no
-      // saturation, no wrap) before one vpmaddwd: 18 integer instructions a token and block instead of 24, the same
-      // i32 sums (V::dot's chain; exact either way). Q8_0's pairs reach 32512: V::dot.
-      vi s = lane_bias<V, TY>(xs[c].bsum[b]);
-      for (int g = 0; g < 8; g += 4) {
-        vi h = _mm256_maddubs_epi16(w[g], V::set1_32(rd_i32(xq + 4 * g)));
-        for (int k = g + 1; k < g + 4; ++k)
-          h = _mm256_add_epi16(h, _mm256_maddubs_epi16(w[k], V::set1_32(rd_i32(xq + 4 * k))));
-        s = V::add32(s, _mm256_madd_epi16(h, _mm256_set1_epi16(1)));
-      }
+    if constexpr (TY != Q8_0) {  // levels <= 31 (Q4's nibbles; Q5_0, Q5_1 and Q5_K come through Q4_1's chain)
+      const vi s = dot_levels<4>(lane_bias<V, TY>(xs[c].bsum[b]), w, xq, 0, 8);
       facc[c] = V::fma(V::cvt(s), V::mul(dw, V::bcast(xs[c].d + b)), facc[c]);
       if constexpr (TY == Q4_1) macc[c] = V::fma(mw, V::bcast(xs[c].s + b), macc[c]);
       continue;
