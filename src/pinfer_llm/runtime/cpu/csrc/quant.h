@@ -321,14 +321,12 @@ struct L8 {
     return _mm256_dpbusd_avx_epi32(acc, w, x);
 #endif
 #else
-    // vpmaddubsw takes its first operand unsigned: Q4's nibbles are (<= 15: pairs cannot saturate); Q8_0's signed w
-    // goes in as |w| with x * sign(w) (|w| <= 128, |x| <= 127: a pair <= 32512). abs(w) is the same for every token
-    // (the compiler computes it once per block, out of the unrolled token loop).
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (TY == Q8_0)
-      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
-                                                     ones));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+    // Q8_0's signed w: vpmaddubsw takes its first operand unsigned, so w goes in as |w| with x * sign(w) (|w| <= 128,
+    // |x| <= 127: a pair <= 32512, too large to add two in i16). abs(w) is the same for every token (the compiler
+    // computes it once per block, out of the unrolled token loop). Unsigned levels take dot_levels (below).
+    static_assert(TY == Q8_0, "without VNNI, unsigned levels go through dot_levels");
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                                   _mm256_set1_epi16(1)));
 #endif
   }
   // the rows' leading dwords (lead4), rows in lane order: 4 per 128-bit lane
@@ -510,20 +508,20 @@ inline void lane_block(const typename V::vi* w, typename V::vf dw, typename V::v
   constexpr int NCH = C <= 2 ? 2 : 1;
   for (int c = 0; c < C; ++c) {
     const uint8_t* xq = (const uint8_t*)(xs[c].qs + b * QK);
+    vi s = lane_bias<V, TY>(xs[c].bsum[b]);
 #if !defined(PINFER_VNNI)
-    if constexpr (TY != Q8_0) {  // levels <= 31 (Q4's nibbles; Q5_0, Q5_1 and Q5_K come through Q4_1's chain)
-      const vi s = dot_levels<4>(lane_bias<V, TY>(xs[c].bsum[b]), w, xq, 0, 8);
-      facc[c] = V::fma(V::cvt(s), V::mul(dw, V::bcast(xs[c].d + b)), facc[c]);
-      if constexpr (TY == Q4_1) macc[c] = V::fma(mw, V::bcast(xs[c].s + b), macc[c]);
-      continue;
-    }
+    if constexpr (TY != Q8_0)  // levels <= 31 (Q4's nibbles; Q5_0, Q5_1 and Q5_K come through Q4_1's chain)
+      s = dot_levels<4>(s, w, xq, 0, 8);
+    else
 #endif
-    vi ch[NCH];
-    ch[0] = lane_bias<V, TY>(xs[c].bsum[b]);
-    if constexpr (NCH == 2) ch[1] = V::zero_i();
-    for (int k = 0; k < 8; ++k) ch[k % NCH] = V::template dot<TY>(ch[k % NCH], w[k], V::set1_32(rd_i32(xq + 4 * k)));
-    vi s = ch[0];
-    if constexpr (NCH == 2) s = V::add32(s, ch[1]);
+    {
+      vi ch[NCH];
+      ch[0] = s;
+      if constexpr (NCH == 2) ch[1] = V::zero_i();
+      for (int k = 0; k < 8; ++k) ch[k % NCH] = V::template dot<TY>(ch[k % NCH], w[k], V::set1_32(rd_i32(xq + 4 * k)));
+      s = ch[0];
+      if constexpr (NCH == 2) s = V::add32(s, ch[1]);
+    }
     facc[c] = V::fma(V::cvt(s), V::mul(dw, V::bcast(xs[c].d + b)), facc[c]);
     if constexpr (TY == Q4_1) macc[c] = V::fma(mw, V::bcast(xs[c].s + b), macc[c]);
   }
