@@ -483,17 +483,28 @@ def planted(args) -> dict:
     try:
         warm_up(url, args.parallel, args.max_tokens, chat=False)
         ratios, one, all_ = [], [], []
+        read = {"one": [0, 0], "all": [0, 0]}  # (passes, neurons read) summed over the layers, per kind of run
         for r in range(args.rounds):
             ps = round_prompts(args.parallel, r, chat=False)
-            a, b = clients_at_once(url, ps[:1], args.max_tokens), clients_at_once(url, ps, args.max_tokens)
-            one.append(a["tps"]), all_.append(b["tps"]), ratios.append(b["tps"] / a["tps"])
+            for kind, prompts in (("one", ps[:1]), ("all", ps)):
+                before = (sum(metric(url, "pinfer_ffn_passes_total{")),
+                          sum(metric(url, "pinfer_ffn_neurons_read_total{")))
+                res = clients_at_once(url, prompts, args.max_tokens)
+                read[kind][0] += sum(metric(url, "pinfer_ffn_passes_total{")) - before[0]
+                read[kind][1] += sum(metric(url, "pinfer_ffn_neurons_read_total{")) - before[1]
+                (one if kind == "one" else all_).append(res["tps"])
+            ratios.append(all_[-1] / one[-1])
         active = metric(url, "pinfer_ffn_active_fraction{")
+        n_ff = sd.parse_shape(sd.SHAPE)["n_ff"]
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(30)
+    share = {k: round(r / (n * n_ff), 4) if n else None for k, (n, r) in read.items()}
     return {"model": path.name, "one_tps": round(statistics.median(one), 1),
             "all_tps": round(statistics.median(all_), 1), "all_over_one": round(statistics.median(ratios), 3),
-            "neurons_computed_share": round(statistics.mean(active), 4) if active else None}
+            "neurons_computed_share": round(statistics.mean(active), 4) if active else None,
+            # per forward pass: one client's passes read its own neurons; the batch's, the union of its rows'
+            "neurons_read_per_pass_one": share["one"], "neurons_read_per_pass_all": share["all"]}
 
 
 def rss_growth(model: str, threads: int, n: int) -> dict:
@@ -579,7 +590,8 @@ def render_targets(t: dict) -> None:
     pr = t["planted_relu"]
     print(f"  planted ReLU ({pr['model']}, --sparse): one {pr['one_tps']} tok/s, {t['parallel']} at once "
           f"{pr['all_tps']} = {pr['all_over_one']}x (target >= 2); neurons computed per token and layer "
-          f"{pr['neurons_computed_share']}")
+          f"{pr['neurons_computed_share']}; read per step (a batch: the union of its rows') "
+          f"{pr['neurons_read_per_pass_one']} alone, {pr['neurons_read_per_pass_all']} with {t['parallel']} clients")
     r = t["rss"]
     print(f"  RSS after 10 requests {r['after_10_mib']} MiB, after 1000 {r['after_1000_mib']} MiB: "
           f"{r['growth'] * 100:+.1f}% (target within 10%)")

@@ -296,6 +296,46 @@ def test_the_team_step_shares_whole_q8_blocks(files, threads, mode):
     team_equals_forked(files, "llama-d32", threads, mode, [T.Q4_0, T.Q4_1, T.Q8_0])
 
 
+@needs_kernels
+@pytest.mark.parametrize("team", [True, False])
+def test_a_batch_reads_the_union_of_its_rows_predicted_neurons(files, team):
+    """Per layer with predictors the step counts the neurons whose rows a call read (Model.read_counts, pi-serve's
+    pinfer_ffn_neurons_read_total): one row's own predicted neurons, as many as it computed; a batch's union of its
+    rows' (each row computed over its own), at least the largest row's and below their sum where the rows share
+    neurons (layer 0's outlier neurons are in every row's), and one pass per call. Team and forked steps alike.
+    Plants (each seen failing, then restored): the team counting the rows' summed lists instead of the union; the
+    forked batch counting nothing."""
+    m = model(files, "llama-relu", T.F32, "pred")
+    tr = m.transformer
+    stats = [b.ffn.stats for b in tr.blocks]
+    with torch.inference_mode():
+        tr.forward(torch.tensor(PROMPT), 0)
+        tr.decode_step().native.set_team(team)
+        caches = [m.new_cache() for _ in range(3)]
+        toks = [3, 9, 14]
+
+        def counts(run):
+            before = m.read_counts(), [st.active for st in stats]
+            run()
+            after = m.read_counts(), [st.active for st in stats]
+            passes = [n1 - n0 for (n0, _), (n1, _) in zip(before[0], after[0], strict=True)]
+            read = [r1 - r0 for (_, r0), (_, r1) in zip(before[0], after[0], strict=True)]
+            return passes, read, [a1 - a0 for a0, a1 in zip(before[1], after[1], strict=True)]
+
+        own = []
+        for c, t in zip(caches, toks, strict=True):
+            passes, read, active = counts(lambda c=c, t=t: m.run_rows([t], [0], [c], [0]))
+            assert passes == [1] * len(stats) and read == active, (passes, read, active)
+            own.append(read)
+        # the three rows in one call, at the position each wrote alone (rewritten with the same bits)
+        passes, read, active = counts(lambda: m.run_rows(toks, [0, 0, 0], caches, [0, 1, 2]))
+        assert passes == [1] * len(stats)
+        assert active == [sum(o[li] for o in own) for li in range(len(stats))]
+        for li in range(len(stats)):
+            assert max(o[li] for o in own) <= read[li] <= active[li], (li, read, own)
+        assert read[0] < active[0], (read, own)  # the outlier neurons read once for the three rows
+
+
 def team_equals_forked(files, arch: str, threads: int, mode: str, types) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -108,6 +108,23 @@ def test_metrics_count_requests_and_tokens(http):
     assert metric(after, "pinfer_requests_waiting") == 0
 
 
+
+def test_metrics_of_a_model_with_predictors():
+    """A sparse model's /metrics: the share computed per token and layer, and per layer with predictors the passes,
+    the neurons whose rows they read (a batch: the union of its rows') and their share per pass, which grows with
+    the batch where the per-token share does not. A dense model has neither."""
+    from pinfer_llm.runtime.serving.metrics import Metrics
+
+    text = Metrics().prometheus(generating=0, waiting=0, slots=4, ffn_active=[0.1, 0.25],
+                                ffn_read=[(10, 300), (0, 0)], n_ff=100)
+    assert metric(text, 'pinfer_ffn_active_fraction{layer="1"}') == 0.25
+    assert metric(text, 'pinfer_ffn_step_fraction{layer="0"}') == 0.3
+    assert metric(text, 'pinfer_ffn_step_fraction{layer="1"}') == 0
+    assert metric(text, 'pinfer_ffn_passes_total{layer="0"}') == 10
+    assert metric(text, 'pinfer_ffn_neurons_read_total{layer="0"}') == 300
+    assert "# TYPE pinfer_ffn_neurons_read_total counter" in text
+    assert "pinfer_ffn" not in Metrics().prometheus(generating=0, waiting=0, slots=4)
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_is_counted_before_its_last_bytes_are_sent(stream):
     """A client that has read its whole answer and then asks /metrics (the next request on its connection, which the

@@ -26,6 +26,7 @@ from pinfer_llm.formats.header import GGUFFile
 from pinfer_llm.formats.reader import open_gguf
 from pinfer_llm.formats.tokenizer import GGUFTokenizer, load_tokenizer
 from pinfer_llm.runtime.cpu import kernels as cpu_kernels
+from pinfer_llm.runtime.ffn.sparse import PredictorMasker
 from pinfer_llm.runtime.hybrid.executor import Split
 from pinfer_llm.runtime.hybrid.placement import Placement, check_placement
 from pinfer_llm.runtime.loader import load_transformer
@@ -136,6 +137,16 @@ class Model:
                 return None
             out.append(st.active / (st.tokens * self.cfg.n_ff) if st.tokens else 0.0)
         return out
+
+    def read_counts(self) -> list[tuple[int, int]] | None:
+        """Per layer, (forward passes, neurons whose rows they read, summed) of the layers with predictors: a batch of
+        rows reads the union of their predicted neurons, each row computed over its own ((0, 0) for other layers).
+        None for a model with no predictor."""
+        pred = [isinstance(getattr(b.ffn, "masker", None), PredictorMasker) for b in self.transformer.blocks]
+        if not any(pred):
+            return None
+        return [(b.ffn.stats.steps, b.ffn.stats.read) if p else (0, 0)
+                for b, p in zip(self.transformer.blocks, pred, strict=True)]
 
     @property
     def ctx_size(self) -> int:

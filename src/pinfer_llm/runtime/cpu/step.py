@@ -115,8 +115,11 @@ class DecodeStep:
     def _count(self, tokens: int) -> None:
         if self.sparse_stats:
             active = self.native.take_active().tolist()
+            read, calls = self.native.take_read().tolist()
             for li, st in self.sparse_stats:
                 st.add_counts(tokens, active[li])
+                if calls[li]:
+                    st.add_read(calls[li], read[li])
 
 
 def _objects(blocks):

@@ -79,6 +79,10 @@ class CatsOracleMasker:
 class SparsityStats:
     tokens: int = 0  # token-layer evaluations
     active: int = 0  # active neurons summed over them
+    # with predictors: forward passes (steps) of the layer and the neurons whose rows each read, summed: a batch of
+    # rows reads the union of their predicted neurons (each row computed over its own), so this share grows with it
+    steps: int = 0
+    read: int = 0
 
     def add(self, mask: torch.Tensor) -> None:
         self.add_counts(mask.shape[0], int(mask.sum()))
@@ -86,6 +90,10 @@ class SparsityStats:
     def add_counts(self, tokens: int, active: int) -> None:
         self.tokens += tokens
         self.active += active
+
+    def add_read(self, steps: int, read: int) -> None:
+        self.steps += steps
+        self.read += read
 
 
 @dataclass
@@ -98,6 +106,7 @@ class SparseFFN:
         if x.shape[0] == 1 and isinstance(self.masker, PredictorMasker):  # decode with predictors
             idx = self.masker.indices(self.w, x, resid)
             self.stats.add_counts(1, idx.numel())
+            self.stats.add_read(1, idx.numel())
             return ffn_sparse(self.w, x, idx)
         if isinstance(self.masker, ReluOracleMasker | CatsOracleMasker):
             # exact masks: the kernel finds the active neurons itself (ReLU: by their gates; CATS: by |silu(gate)|)

@@ -105,7 +105,8 @@ def routes(s: Served) -> dict[str, tuple[Callable, list[str], bool]]:
 
     async def metrics(request: Request):
         text = s.metrics.prometheus(generating=s.slots.busy, waiting=s.worker.waiting, slots=s.slots.n,
-                                    ffn_active=m.sparsity())
+                                    ffn_active=m.sparsity(), ffn_read=m.read_counts(),
+                                    n_ff=m.cfg.n_ff)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def embeddings(request: Request):

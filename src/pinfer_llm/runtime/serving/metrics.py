@@ -117,7 +117,8 @@ class Metrics:
                 self.ttft_sum += rec.ttft
                 self.ttft_n += 1
 
-    def prometheus(self, generating: int, waiting: int, slots: int, ffn_active: list[float] | None = None) -> str:
+    def prometheus(self, generating: int, waiting: int, slots: int, ffn_active: list[float] | None = None,
+                   ffn_read: list[tuple[int, int]] | None = None, n_ff: int = 0) -> str:
         """The text exposition format (version 0.0.4)."""
         with self._lock:
             out: list[str] = []
@@ -155,6 +156,14 @@ class Metrics:
                 metric("ffn_active_fraction", "gauge", "Share of FFN neurons computed per token and layer since the "
                        "start (each token its own neurons), by layer.",
                        [(f'{{layer="{i}"}}', float(f)) for i, f in enumerate(ffn_active)])
+            if ffn_read is not None and n_ff:  # with predictors: what a batch reads, the union of its rows' neurons
+                metric("ffn_step_fraction", "gauge", "Share of FFN neurons whose rows a forward pass read, per pass "
+                       "and layer since the start (a batch of rows: the union of their neurons), by layer.",
+                       [(f'{{layer="{i}"}}', r / (n * n_ff) if n else 0.0) for i, (n, r) in enumerate(ffn_read)])
+                metric("ffn_passes_total", "counter", "Forward passes through each layer with predictors.",
+                       [(f'{{layer="{i}"}}', n) for i, (n, _) in enumerate(ffn_read)])
+                metric("ffn_neurons_read_total", "counter", "FFN neurons whose rows the passes read, summed over the "
+                       "passes, by layer.", [(f'{{layer="{i}"}}', r) for i, (_, r) in enumerate(ffn_read)])
             return "\n".join(out) + "\n"
 
 

@@ -251,6 +251,13 @@ struct StepShape {
 // Scratch of one step, sized once per model (grown on first use).
 struct StepScratch {
   std::vector<float> xa, xf, qkv, heads, y, f;
+  // per layer with predictors: the neurons whose rows the calls read (a batch's: the union of its rows' predicted
+  // neurons) and the calls, since the caller last took them (ops.cpp DecodeStep take_read)
+  std::vector<int64_t> read, read_calls;
+  void count_read(int64_t l, int64_t k) {
+    if ((int64_t)read.size() <= l) read.resize(l + 1), read_calls.resize(l + 1);
+    read[l] += k, read_calls[l] += 1;
+  }
 };
 // One token through the layers [l0, l1): x [d] is the residual stream, updated in place; rope [D/2, 2] this position's
 // (cos, sin); active[l] = the layer's nonzero (token, neuron) pairs (FFN_MM: n_ff). Each op is the kernel the Python

@@ -757,6 +757,19 @@ struct DecodeStep : torch::CustomClassHolder {
     std::fill(active.begin(), active.end(), 0);
     return out;
   }
+
+  // [2, n_layer]: per layer with predictors, the neurons whose rows the calls since the last take read (a batch's
+  // rows: the union of their predicted neurons, each row computed over its own) and the calls; 0 elsewhere (resets)
+  at::Tensor take_read() {
+    const int64_t n = (int64_t)layers.size();
+    at::Tensor out = at::empty({2, n}, at::TensorOptions().dtype(at::kLong));
+    int64_t* o = out.data_ptr<int64_t>();
+    std::fill(o, o + 2 * n, 0);
+    for (int64_t l = 0; l < std::min(n, (int64_t)sc.read.size()); ++l) o[l] = sc.read[l], o[n + l] = sc.read_calls[l];
+    std::fill(sc.read.begin(), sc.read.end(), 0);
+    std::fill(sc.read_calls.begin(), sc.read_calls.end(), 0);
+    return out;
+  }
 };
 
 // --- a mapped model file's pages gone: one line, not a bus error -------------------------------------------------
@@ -878,6 +891,7 @@ TORCH_LIBRARY(PINFER_NS, m) {
       .def("run_layers", &DecodeStep::run_layers)
       .def("ffn_subset", &DecodeStep::ffn_subset)
       .def("take_active", &DecodeStep::take_active)
+      .def("take_read", &DecodeStep::take_read)
       .def("head_facts", &DecodeStep::head_facts);
   m.def("guard_map(int addr, int length, str line) -> bool", &guard_map_op);
   m.def("unguard_map(int addr) -> ()", &unguard_map_op);

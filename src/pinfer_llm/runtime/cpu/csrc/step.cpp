@@ -147,7 +147,8 @@ void union_mask(const std::vector<std::vector<int64_t>>& own, std::vector<int64_
 }
 
 // The FFN of one token: xf its normed input, resid the pre-norm residual the predictor reads; f [d] overwritten.
-int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* resid, float* f) {
+// *read (predictors): the neurons whose rows it read.
+int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* resid, float* f, int64_t* read) {
   if (L.kind == FFN_MM) {
     ffn_mm(xf, 1, d, L.gate, L.up, L.down, L.act, L.up_bias, f);
     return L.up.rows;
@@ -157,6 +158,7 @@ int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* res
   if (L.kind == FFN_PRED) {
     idx = predict_active(resid, L.fc1, L.fc2, L.fc2_transposed, L.threshold, L.always.data(),
                          (int64_t)L.always.size());
+    *read = (int64_t)idx.size();
     if (idx.empty()) {  // as ffn_sparse: no neuron, no kernel
       std::fill(f, f + d, 0.f);
       return 0;
@@ -171,8 +173,9 @@ int64_t ffn_one(const LayerStep& L, int64_t d, const float* xf, const float* res
 // The FFN of T rows in one call over the union of their neurons, each row masked to its own (the predictor's for
 // FFN_PRED, its own exact activations for FFN_ROWS): by sparse_ffn.cpp's batch invariance each row gets the bits
 // ffn_one gives it alone, and every selected row of weights is read once for all of them.
-int64_t ffn_rows(const LayerStep& L, int64_t d, int64_t T, const float* xf, const float* resid, float* f) {
-  if (T == 1) return ffn_one(L, d, xf, resid, f);
+int64_t ffn_rows(const LayerStep& L, int64_t d, int64_t T, const float* xf, const float* resid, float* f,
+                 int64_t* read) {
+  if (T == 1) return ffn_one(L, d, xf, resid, f, read);
   FFN q = sparse_args(L, d, T, xf);
   if (L.kind != FFN_PRED) return ffn_sparse(q, f);
   std::vector<std::vector<int64_t>> own(T);
@@ -186,6 +189,7 @@ int64_t ffn_rows(const LayerStep& L, int64_t d, int64_t T, const float* xf, cons
   std::unique_ptr<bool[]> mask;
   union_mask(own, uni, mask);
   const int64_t k = (int64_t)uni.size();
+  *read = k;
   if (k == 0) {
     std::fill(f, f + T * d, 0.f);
     return 0;
@@ -222,7 +226,9 @@ void decode_layers(const StepShape& s, const std::vector<LayerStep>& layers, int
       xf = sc.xa.data();
     else
       apply_norm(L.ffn_norm, resid, 1, d, sc.xf.data());
-    active[l] += ffn_one(L, d, xf, resid, sc.f.data());
+    int64_t read = -1;
+    active[l] += ffn_one(L, d, xf, resid, sc.f.data(), &read);
+    if (read >= 0) sc.count_read(l, read);
     if (L.ffn_bias) add(sc.f.data(), L.ffn_bias, d);
     for (int64_t i = 0; i < d; ++i) x[i] = sc.y[i] + sc.f[i];
   }
@@ -412,6 +418,7 @@ void decode_team(const StepShape& s, const std::vector<LayerStep>& layers, const
               idx.swap(row_own[0]);
             }
             sf.idx = idx.data(), sf.k = (int64_t)idx.size();
+            sc.count_read(l, sf.k);
           }
           sparse_begin(run, sf, fs, P);
         }
@@ -545,7 +552,9 @@ void decode_rows(const StepShape& s, const std::vector<LayerStep>& layers, const
       ffn_mm(xf, T, d, L.gate, L.up, L.down, L.act, L.up_bias, sc.f.data());
       active[l] += L.up.rows * T;
     } else {  // every row at once, each over its own neurons (ffn_rows)
-      active[l] += ffn_rows(L, d, T, xf, resid, sc.f.data());
+      int64_t read = -1;
+      active[l] += ffn_rows(L, d, T, xf, resid, sc.f.data(), &read);
+      if (read >= 0) sc.count_read(l, read);
     }
     for (int64_t t = 0; t < T; ++t) {
       float* ft = sc.f.data() + t * d;
