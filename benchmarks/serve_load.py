@@ -413,9 +413,14 @@ def warm_up(url: str, n: int, max_tokens: int, chat: bool = True) -> None:
     clients_at_once(url, ps, max_tokens)
 
 
+def metrics(url: str, *names: str) -> list[list[float]]:
+    """The values of the samples whose lines start with each name, from one read of /metrics."""
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return [[float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name)] for name in names]
+
+
 def metric(url: str, name: str) -> list[float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    return metrics(url, name)[0]
 
 
 def rss_mib(pid: int) -> float:
@@ -487,11 +492,11 @@ def planted(args) -> dict:
         for r in range(args.rounds):
             ps = round_prompts(args.parallel, r, chat=False)
             for kind, prompts in (("one", ps[:1]), ("all", ps)):
-                before = (sum(metric(url, "pinfer_ffn_passes_total{")),
-                          sum(metric(url, "pinfer_ffn_neurons_read_total{")))
+                counters = ("pinfer_ffn_passes_total{", "pinfer_ffn_neurons_read_total{")
+                before = [sum(v) for v in metrics(url, *counters)]
                 res = clients_at_once(url, prompts, args.max_tokens)
-                read[kind][0] += sum(metric(url, "pinfer_ffn_passes_total{")) - before[0]
-                read[kind][1] += sum(metric(url, "pinfer_ffn_neurons_read_total{")) - before[1]
+                for i, v in enumerate(metrics(url, *counters)):
+                    read[kind][i] += sum(v) - before[i]
                 (one if kind == "one" else all_).append(res["tps"])
             ratios.append(all_[-1] / one[-1])
         active = metric(url, "pinfer_ffn_active_fraction{")
