@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pinfer-installed
 THREADS ?= 2
 PROMPT ?= Once upon a time
 
-.PHONY: install test wheel-check demo bench gpu-check lint clean
+.PHONY: install test wheel-check demo bench gpu-check cpu-check lint clean
 
 install: $(STAMP)
 
@@ -62,6 +62,14 @@ GPU_SITE = build/gpu-site
 gpu-check:
 	$(GPU_PYTHON) -m pip install -q --no-deps --target $(GPU_SITE) $(if $(wildcard .whl/*.whl),--no-index .whl/*.whl,gguf pulp)
 	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_check.py --deadline 270
+
+# On any CPU (benchmarks/cpu_check.py): every CPU speed target of issues #26 and #28 in one run, the references built
+# from source first (llama.cpp from llama-cpp-python's sdist on PyPI; PowerInfer from POWERINFER_SRC, a snapshot
+# fetched where GitHub is reachable: without it that phase is skipped), into benchmarks/cpu_runs/DATE-CPU.json with
+# the CPU and its instruction sets. ~40-60 minutes on 2 cores from a bare machine; LLAMA_CPP=DIR reuses a snapshot.
+cpu-check: install
+	$(BIN)/python benchmarks/cpu_check.py --threads $(THREADS) $(if $(POWERINFER_SRC),--powerinfer-src $(POWERINFER_SRC)) \
+	  $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP))
 
 lint: install
 	$(BIN)/python -m pip install -q ruff

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,8 @@ def run_worker(engine: str, args) -> dict:
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--prefill", str(args.prefill),
            "--depth", str(args.depth)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if out.returncode < 0:  # a crash writes nothing to stderr: say which signal (llama.cpp's AMX build: SIGSEGV)
+        raise SystemExit(f"{engine} worker died of {signal.Signals(-out.returncode).name}")
     if out.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
