@@ -227,6 +227,9 @@ def llama_cpp(args, refs: Path, isa: dict) -> dict:
     except RuntimeError as e:  # the sdist could not be had
         out["llama_cpp_python"] = f"not installed: {e}"
     out.setdefault("llama_cpp_python", "not installed")
+    if _has_llama_python():  # what the installed build was compiled with ("AMX_INT8 = 1" where AMX is on)
+        r = run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"], 60)
+        out["llama_cpp_python_features"] = " ".join(r.stdout.split())
     return out
 
 
@@ -438,7 +441,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default=",".join(PHASES), help=f"comma list of phases: {', '.join(PHASES)}")
     ap.add_argument("--work", default=str(ROOT / "build" / "cpu-check"), help="the made models (~3 GB)")
-    ap.add_argument("--out", help="the JSON (default benchmarks/cpu_runs/DATE-CPU.json)")
+    ap.add_argument("--out", help="the JSON (default benchmarks/cpu_runs/DATE-CPU-KIND.json)")
     args = ap.parse_args()
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
     if bad := [p for p in args.only if p not in PHASES]:
@@ -465,7 +468,7 @@ def main() -> None:
     res["phases"] = phases(args, res["references"], work)
     res["targets"] = judge(res["phases"])
     res["wall_s"] = round(time.monotonic() - t0, 1)
-    slug = re.sub(r"[^a-z0-9]+", "-", res["machine"]["cpu"].lower()).strip("-")[:40]
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{res['machine']['cpu']} {res['machine']['kind']}".lower()).strip("-")[:60]
     out = Path(args.out) if args.out else (ROOT / "benchmarks" / "cpu_runs" /
                                            f"{datetime.date.today().isoformat()}-{slug}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
