@@ -64,12 +64,13 @@ gpu-check:
 	PYTHONPATH=$(GPU_SITE):src:. $(GPU_PYTHON) benchmarks/gpu_check.py --deadline 270
 
 # On any CPU (benchmarks/cpu_check.py): every CPU speed target of issues #26 and #28 in one run, the references built
-# from source first (llama.cpp from llama-cpp-python's sdist on PyPI; PowerInfer from POWERINFER_SRC, a snapshot
-# fetched where GitHub is reachable: without it that phase is skipped), into benchmarks/cpu_runs/DATE-CPU.json with
-# the CPU and its instruction sets. ~40-60 minutes on 2 cores from a bare machine; LLAMA_CPP=DIR reuses a snapshot.
+# from source first (llama.cpp from llama-cpp-python's sdist on PyPI; PowerInfer from POWERINFER_GIT, a git directory
+# such as the fetch tool's mirror, or POWERINFER_SRC, a tree: GitHub is not reachable from the project's machines,
+# and without either that phase is skipped), into benchmarks/cpu_runs/DATE-CPU-KIND.json with the CPU and its
+# instruction sets. ~30-40 minutes on 2 cores from a bare machine; LLAMA_CPP=DIR reuses a built llama.cpp tree.
 cpu-check: install
-	$(BIN)/python benchmarks/cpu_check.py --threads $(THREADS) $(if $(POWERINFER_SRC),--powerinfer-src $(POWERINFER_SRC)) \
-	  $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP))
+	$(BIN)/python benchmarks/cpu_check.py --threads $(THREADS) $(if $(POWERINFER_GIT),--powerinfer-git $(POWERINFER_GIT)) \
+	  $(if $(POWERINFER_SRC),--powerinfer-src $(POWERINFER_SRC)) $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP))
 
 lint: install
 	$(BIN)/python -m pip install -q ruff

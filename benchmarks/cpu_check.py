@@ -1,13 +1,13 @@
 """`make cpu-check`: every CPU speed target of issues #26 and #28 on this machine's CPU, in one run, into one JSON.
 
-    python benchmarks/cpu_check.py --powerinfer-src DIR            # builds the references, then measures (~40 min)
+    python benchmarks/cpu_check.py --powerinfer-git GITDIR         # builds the references, then measures (~30 min)
     python benchmarks/cpu_check.py --powerinfer MAIN --quantize Q --llama-cpp DIR --only smollm2,serve
 
 The targets hold "on every build machine you get, AVX2-only ones included", and an AVX-512 figure has not predicted
 an AVX2-only one (docs/results.md), so a session that lands on a CPU kind not measured yet should spend its time
 measuring, not assembling commands. This is the CPU's counterpart of `make gpu-check`: references built from their
 sources, each figure by the benchmark that owns it (each in its own process, its --json kept whole), the targets
-judged at the end, all in benchmarks/cpu_runs/DATE-CPU.json with the CPU, its instruction sets and the commit.
+judged at the end, all in benchmarks/cpu_runs/DATE-CPU-KIND.json with the CPU, its instruction sets and the commit.
 
 1. The machine: the CPU's model and family, its instruction sets (AVX2, AVX-512, VNNI, AMX), cores, caches, the ISA
    pinfer's kernels were built for, the streaming bandwidth of --threads threads.
@@ -15,9 +15,11 @@ judged at the end, all in benchmarks/cpu_runs/DATE-CPU.json with the CPU, its in
    - llama.cpp: --llama-cpp SNAPSHOT_DIR, or llama-cpp-python's sdist (pip download from PyPI) whose vendor/llama.cpp
      is such a snapshot; built by benchmarks/build_llamacpp.sh (llama-bench, llama-server, llama-quantize).
      llama-cpp-python itself (decode.py's in-Python baseline) is installed from the same sdist when it is missing.
-   - PowerInfer: --powerinfer-src SNAPSHOT_DIR built with cmake (main, quantize), or its binaries given with
-     --powerinfer MAIN --quantize QUANTIZE. Its source is on GitHub only, which the project's machines cannot reach:
-     fetch a snapshot where GitHub is reachable. Without it the PowerInfer phase is skipped and says so.
+   - PowerInfer: --powerinfer-git GITDIR (a git directory, such as the session's fetch tool leaves under
+     /work/.mirror: its HEAD's tree written out under build/ref, blobs the mirror lacks skipped) or
+     --powerinfer-src SNAPSHOT_DIR, built with cmake (main, quantize); or its binaries given with --powerinfer MAIN
+     --quantize QUANTIZE. Its source is on GitHub only, which the project's machines cannot reach. Without it the
+     PowerInfer phase is skipped and says so.
 3. The figures (phases; --only picks some):
    smollm2     decode.py --model smollm2 --tokens 128 --rounds 7 --llama-bench       #26: >= 1.3x llama.cpp
    hybrid      hybrid_overhead.py, 5 runs, the median                                #26: cpu_path_us_per_layer <= 25
@@ -238,13 +240,67 @@ def _has_llama_python() -> bool:
     return r.returncode == 0
 
 
+def tree_from_git(gitdir: Path, out: Path) -> dict:
+    """HEAD's tree of a (bare, possibly partial) git directory written out under out: a snapshot as the session's
+    fetch tool leaves it, where some large blobs may be absent (skipped, and counted)."""
+    git = ["git", f"--git-dir={gitdir}"]
+    head = run([*git, "rev-parse", "HEAD"], 60).stdout.strip()
+    ls = run([*git, "ls-tree", "-r", "-z", "HEAD"], 300)
+    if ls.returncode or not head:
+        raise RuntimeError(f"{gitdir}: not a git directory with a HEAD ({tail(ls.stderr)})")
+    entries = []
+    for rec in ls.stdout.split("\0"):
+        if rec:
+            meta, path = rec.split("\t", 1)
+            mode, kind, sha = meta.split()
+            if kind == "blob":
+                entries.append((mode, sha, path))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    missing = 0
+    with subprocess.Popen([*git, "cat-file", "--batch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE) as cat:
+        for mode, sha, path in entries:
+            cat.stdin.write(sha.encode() + b"\n")
+            cat.stdin.flush()
+            header = cat.stdout.readline().split()
+            if len(header) < 3 or header[1] != b"blob":  # "<sha> missing"
+                missing += 1
+                continue
+            data = cat.stdout.read(int(header[2]))
+            cat.stdout.read(1)  # the newline after the object
+            dst = tmp / path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if mode == "120000":
+                dst.symlink_to(data.decode())
+            else:
+                dst.write_bytes(data)
+                if mode == "100755":
+                    dst.chmod(0o755)
+        cat.stdin.close()
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return {"commit": head, "files": len(entries) - missing, "missing_blobs": missing}
+
+
 def powerinfer(args) -> dict:
-    """PowerInfer's main and quantize: given, or built from --powerinfer-src (its CPU build)."""
+    """PowerInfer's main and quantize: given, or built from --powerinfer-src (its CPU build), or from the tree of
+    --powerinfer-git written out first."""
     if args.powerinfer:
         return {"main": args.powerinfer, "quantize": args.quantize}
+    snapshot = None
+    if args.powerinfer_git:
+        head = run(["git", f"--git-dir={args.powerinfer_git}", "rev-parse", "--short", "HEAD"], 60).stdout.strip()
+        args.powerinfer_src = str(ROOT / "build" / "ref" / f"PowerInfer-{head or 'unknown'}")
+        if not (Path(args.powerinfer_src) / "CMakeLists.txt").exists():
+            say(f"PowerInfer: writing out the tree of {args.powerinfer_git} into {args.powerinfer_src}")
+            try:
+                snapshot = tree_from_git(Path(args.powerinfer_git), Path(args.powerinfer_src))
+            except (RuntimeError, OSError) as e:
+                return {"error": f"--powerinfer-git: {e}"}
     if not args.powerinfer_src:
-        return {"error": "no PowerInfer: pass --powerinfer-src SNAPSHOT_DIR (its source is on GitHub only; fetch a "
-                         "snapshot where GitHub is reachable) or --powerinfer MAIN --quantize QUANTIZE"}
+        return {"error": "no PowerInfer: pass --powerinfer-git GITDIR or --powerinfer-src SNAPSHOT_DIR (its source "
+                         "is on GitHub only; fetch a snapshot where GitHub is reachable) or --powerinfer MAIN "
+                         "--quantize Q"}
     src = Path(args.powerinfer_src)
     if not (src / "CMakeLists.txt").exists():
         return {"error": f"--powerinfer-src {src}: no CMakeLists.txt; pass the root of a PowerInfer snapshot"}
@@ -257,7 +313,7 @@ def powerinfer(args) -> dict:
             r = run(cmd, 1800)
             if r.returncode:
                 return {"error": f"PowerInfer build ({cmd[1]}): {tail(r.stdout + r.stderr)}"}
-    return {"main": str(main), "quantize": str(quant), "src": str(src)}
+    return {"main": str(main), "quantize": str(quant), "src": str(src), **({"snapshot": snapshot} if snapshot else {})}
 
 
 # ----------------------------------------------------------------------------------------------------------- phases
@@ -434,6 +490,8 @@ def render(res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--powerinfer-src", metavar="DIR", help="a PowerInfer snapshot to build (main, quantize)")
+    ap.add_argument("--powerinfer-git", metavar="GITDIR", help="a git directory of PowerInfer (the fetch tool's "
+                    "mirror): its HEAD written out under build/ref, then built as --powerinfer-src")
     ap.add_argument("--powerinfer", metavar="MAIN", help="PowerInfer's main, built already (with --quantize)")
     ap.add_argument("--quantize", metavar="PATH", help="PowerInfer's quantize, with --powerinfer")
     ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp snapshot (built here when it is not already); "

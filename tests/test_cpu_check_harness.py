@@ -110,3 +110,37 @@ def test_a_failing_benchmark_is_recorded():
     assert "error" not in good, good
     assert good["result"]["cpu_path_us_per_layer"] > 0
     assert good["command"].startswith("python benchmarks/hybrid_overhead.py")
+
+
+def test_a_snapshot_is_written_out_from_a_git_directory(tmp_path):
+    """--powerinfer-git: HEAD's tree of a bare repository written out (modes and links kept), a missing blob skipped
+    and counted, as the fetch tool's partial mirrors need."""
+    import os
+    import subprocess
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("project(x)\n")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o755)
+    (src / "sub" / "big.bin").write_bytes(bytes(range(256)) * 64)
+    os.symlink("../CMakeLists.txt", src / "sub" / "link")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, "-C", str(src), *cmd], check=True)
+    bare = tmp_path / "repo.git"
+    subprocess.run([*git, "clone", "-q", "--bare", str(src), str(bare)], check=True)
+    out = tmp_path / "tree"
+    got = cpu_check.tree_from_git(bare, out)
+    assert got["missing_blobs"] == 0 and got["files"] == 4
+    assert (out / "CMakeLists.txt").read_text() == "project(x)\n"
+    assert os.access(out / "run.sh", os.X_OK) and not os.access(out / "CMakeLists.txt", os.X_OK)
+    assert (out / "sub" / "big.bin").read_bytes() == bytes(range(256)) * 64
+    assert os.readlink(out / "sub" / "link") == "../CMakeLists.txt"
+    # a blob the mirror lacks (its loose object removed): skipped, counted, the rest written
+    sha = subprocess.run(["git", f"--git-dir={bare}", "rev-parse", "HEAD:sub/big.bin"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    (bare / "objects" / sha[:2] / sha[2:]).unlink()
+    got = cpu_check.tree_from_git(bare, out)
+    assert got == {"commit": got["commit"], "files": 3, "missing_blobs": 1}
+    assert not (out / "sub" / "big.bin").exists() and (out / "run.sh").exists()
