@@ -67,7 +67,7 @@ gpu-check:
 # from source first (llama.cpp from llama-cpp-python's sdist on PyPI; PowerInfer from POWERINFER_GIT, a git directory
 # such as the fetch tool's mirror, or POWERINFER_SRC, a tree: GitHub is not reachable from the project's machines,
 # and without either that phase is skipped), into benchmarks/cpu_runs/DATE-CPU-KIND.json with the CPU and its
-# instruction sets. ~30-40 minutes on 2 cores from a bare machine; LLAMA_CPP=DIR reuses a built llama.cpp tree.
+# instruction sets. ~20-30 minutes on 2 cores from a bare machine; LLAMA_CPP=DIR reuses a built llama.cpp tree.
 cpu-check: install
 	$(BIN)/python benchmarks/cpu_check.py --threads $(THREADS) $(if $(POWERINFER_GIT),--powerinfer-git $(POWERINFER_GIT)) \
 	  $(if $(POWERINFER_SRC),--powerinfer-src $(POWERINFER_SRC)) $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP))

@@ -1,6 +1,6 @@
 """`make cpu-check`: every CPU speed target of issues #26 and #28 on this machine's CPU, in one run, into one JSON.
 
-    python benchmarks/cpu_check.py --powerinfer-git GITDIR         # builds the references, then measures (~30 min)
+    python benchmarks/cpu_check.py --powerinfer-git GITDIR         # builds the references, then measures (~20-30 min)
     python benchmarks/cpu_check.py --powerinfer MAIN --quantize Q --llama-cpp DIR --only smollm2,serve
 
 The targets hold "on every build machine you get, AVX2-only ones included", and an AVX-512 figure has not predicted
