@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -7,6 +8,11 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
+# A suite started as a background job of a non-interactive shell (`make test &`, nohup) inherits SIGINT ignored, and
+# every process it starts with it: the tests of Ctrl-C (test_bad_input, test_chat_cli, test_hostile_pass) then saw
+# their subprocesses ignore the signal they send. Ctrl-C's usual disposition, for this process and its children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Tests never write into the real ~/.cache: pinfer's cache (the C++ kernels, pi-plan's measurements) goes to one
 # stable temporary directory, so repeated runs build the kernels once (CI's single run builds them once anyway).
 TEST_CACHE = os.path.join(tempfile.gettempdir(), f"pinfer-test-cache-{os.getuid()}")
