@@ -103,7 +103,9 @@ def machine(threads: int, probe: bool = True) -> dict:
 
 def commit() -> dict:
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "src"))}
+    # dirty: tracked code that differs from the commit (the kernels and the benchmarks; not the records in cpu_runs/)
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks/*.py"))}
 
 
 # ------------------------------------------------------------------------------------------------------- references
