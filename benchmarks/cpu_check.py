@@ -212,12 +212,12 @@ def llama_cpp(args, refs: Path, isa: dict) -> dict:
     if smoke["generation"]:
         out["error"] = f"the native llama-bench {smoke['generation']} generating"
     try:
-        if not _has_llama_python():
+        if llama_python_features() is None:
             say(f"llama-cpp-python {LLAMA_CPP_PYTHON}: installing from its sdist (compiles llama.cpp again: ~5 min)")
             r = run([sys.executable, "-m", "pip", "install", "-q", str(sdist()), "psutil>=5"], 3600)
             if r.returncode:
                 out["llama_cpp_python"] = f"not installed: {tail(r.stderr)}"
-        if _has_llama_python():
+        if llama_python_features() is not None:
             out["llama_cpp_python"] = LLAMA_CPP_PYTHON
             why = smoke_python(model, t)
             if why and amx:
@@ -231,15 +231,16 @@ def llama_cpp(args, refs: Path, isa: dict) -> dict:
     except RuntimeError as e:  # the sdist could not be had
         out["llama_cpp_python"] = f"not installed: {e}"
     out.setdefault("llama_cpp_python", "not installed")
-    if _has_llama_python():  # what the installed build was compiled with ("AMX_INT8 = 1" where AMX is on)
-        r = run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"], 60)
-        out["llama_cpp_python_features"] = " ".join(r.stdout.split())
+    if features := llama_python_features():  # the installed build's, after any reinstall ("AMX_INT8 = 1" where on)
+        out["llama_cpp_python_features"] = features
     return out
 
 
-def _has_llama_python() -> bool:
-    r = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
-    return r.returncode == 0
+def llama_python_features() -> str | None:
+    """What the installed llama-cpp-python was compiled with (llama.cpp's system info), None where it does not
+    import (not installed, or built for instructions this CPU lacks)."""
+    r = run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"], 60)
+    return " ".join(r.stdout.split()) if r.returncode == 0 else None
 
 
 def tree_from_git(gitdir: Path, out: Path) -> dict:
@@ -376,6 +377,21 @@ def dense_1b_file(work: Path, quantize: str) -> Path:
     return q4
 
 
+def dense_1b(lc: dict, work: Path, threads: str) -> dict:
+    """The dense1b phase: decode against llama-bench, and prefill 512 in the same run where the native llama-bench
+    takes prompts, else apart against the AMX-less one (prefill_run)."""
+    if "llama_quantize" not in lc:
+        return {"error": f"no llama-quantize: {lc.get('error')}"}
+    q4 = str(dense_1b_file(work, lc["llama_quantize"]))
+    same = lc["llama_bench_prefill"] == lc["llama_bench"]
+    out = bench("decode.py", "--model", q4, "--tokens", "64", "--rounds", "3", "--threads", threads,
+                *(["--prefill", "512"] if same else []), "--llama-bench", lc["llama_bench"], timeout=3600)
+    if not same:
+        out["prefill_run"] = bench("decode.py", "--model", q4, "--tokens", "16", "--prefill", "512", "--rounds", "3",
+                                   "--threads", threads, "--llama-bench", lc["llama_bench_prefill"], timeout=3600)
+    return out
+
+
 def phases(args, refs: dict, work: Path) -> dict:
     out: dict = {}
     lc, pi = refs["llama_cpp"], refs["powerinfer"]
@@ -394,25 +410,11 @@ def phases(args, refs: dict, work: Path) -> dict:
                 out[name] = ok[len(ok) // 2] if ok else runs[0]
                 out[name]["runs_cpu_path_us_per_layer"] = [r["result"]["cpu_path_us_per_layer"] for r in ok]
             elif name == "powerinfer":
-                if "error" in pi:
-                    out[name] = {"error": pi["error"]}
-                    continue
-                out[name] = bench("vs_powerinfer.py", "--powerinfer", pi["main"], "--quantize", pi["quantize"],
-                                  "--dir", str(work), "--sparsity", "0.96", "--rounds", "5", "--threads", t,
-                                  timeout=3600)
+                out[name] = {"error": pi["error"]} if "error" in pi else bench(
+                    "vs_powerinfer.py", "--powerinfer", pi["main"], "--quantize", pi["quantize"], "--dir", str(work),
+                    "--sparsity", "0.96", "--rounds", "5", "--threads", t, timeout=3600)
             elif name == "dense1b":
-                if "llama_quantize" not in lc:
-                    out[name] = {"error": f"no llama-quantize: {lc.get('error')}"}
-                    continue
-                q4 = dense_1b_file(work, lc["llama_quantize"])
-                same = lc["llama_bench_prefill"] == lc["llama_bench"]
-                # one run where the native llama-bench takes prompts, else decode against it and prefill apart
-                out[name] = bench("decode.py", "--model", str(q4), "--tokens", "64", "--rounds", "3", "--threads", t,
-                                  *(["--prefill", "512"] if same else []), *lb, timeout=3600)
-                if not same:
-                    out[name]["prefill_run"] = bench("decode.py", "--model", str(q4), "--tokens", "16", "--prefill",
-                                                     "512", "--rounds", "3", "--threads", t, "--llama-bench",
-                                                     lc["llama_bench_prefill"], timeout=3600)
+                out[name] = dense_1b(lc, work, t)
             elif name == "serve":
                 out[name] = bench("serve_load.py", "--targets", "--max-tokens", "128", "--rounds", "5", "--threads", t,
                                   "--llama-server", lc.get("llama_server", "none"), timeout=3600)
